@@ -1,0 +1,130 @@
+//! `cargo xtask devices`: what hardware this machine offers the workspace, found, not assumed.
+//!
+//! Each class of device is probed the way the crates that drive it will open it: Vulkan through
+//! the loader (wgpu's Vulkan backend), DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 capture
+//! nodes and accel nodes through `/dev` and sysfs. A class that is absent is reported with the
+//! reason, so a device lab reads "absent: /dev/dma_heap does not exist", never a silent gap.
+//! `device-test` (a later issue) reads the JSON report to decide which hardware tests can run.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+/// Probes every device class, prints a report, and optionally writes it as JSON.
+pub(crate) fn run(json_out: Option<&Path>) -> Result<(), std::io::Error> {
+    let report = json!({
+        "vulkan": vulkan_adapters(),
+        "dma_heaps": dir_entries("/dev/dma_heap", |_| None),
+        "udmabuf": node("/dev/udmabuf"),
+        "drm_render_nodes": dir_entries("/dev/dri", |name| {
+            name.starts_with("renderD").then(|| sysfs_driver(&format!("/sys/class/drm/{name}/device/driver")))
+        }),
+        "v4l2_devices": dir_entries("/dev", |name| {
+            name.starts_with("video").then(|| {
+                std::fs::read_to_string(format!("/sys/class/video4linux/{name}/name"))
+                    .map(|s| s.trim().to_owned())
+                    .unwrap_or_default()
+            })
+        }),
+        "accel_devices": dir_entries("/dev/accel", |name| {
+            Some(sysfs_driver(&format!("/sys/class/accel/{name}/device/driver")))
+        }),
+    });
+    print_report(&report);
+    if let Some(path) = json_out {
+        let text = serde_json::to_string_pretty(&report).expect("a json! value always serialises");
+        std::fs::write(path, text + "\n")?;
+        println!("report written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn print_report(report: &Value) {
+    let Some(classes) = report.as_object() else {
+        return;
+    };
+    for (class, value) in classes {
+        match value.get("present").and_then(Value::as_bool) {
+            Some(false) => println!(
+                "{class:18} absent: {}",
+                value.get("reason").and_then(Value::as_str).unwrap_or("")
+            ),
+            _ => match value.get("items").and_then(Value::as_array) {
+                Some(items) if !items.is_empty() => {
+                    println!("{class:18} present:");
+                    for item in items {
+                        println!("{:18}   {item}", "");
+                    }
+                }
+                _ => println!("{class:18} present"),
+            },
+        }
+    }
+}
+
+fn node(path: &str) -> Value {
+    match std::fs::metadata(path) {
+        Ok(_) => json!({ "present": true, "path": path }),
+        Err(e) => json!({ "present": false, "reason": format!("{path}: {e}") }),
+    }
+}
+
+/// Entries of `dir` that `describe` accepts (returning a description), sorted by name.
+fn dir_entries(dir: &str, describe: impl Fn(&str) -> Option<String>) -> Value {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => return json!({ "present": false, "reason": format!("{dir}: {e}") }),
+    };
+    let mut items: Vec<(String, String)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            describe(&name).map(|d| (name, d))
+        })
+        .collect();
+    items.sort();
+    if items.is_empty() {
+        return json!({ "present": false, "reason": format!("{dir}: no matching device nodes") });
+    }
+    let items: Vec<Value> = items
+        .into_iter()
+        .map(|(name, desc)| json!({ "path": format!("{dir}/{name}"), "description": desc }))
+        .collect();
+    json!({ "present": true, "items": items })
+}
+
+/// The kernel driver bound to a device, from its sysfs `driver` symlink.
+fn sysfs_driver(link: &str) -> String {
+    std::fs::read_link(link)
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "driver unknown".into())
+}
+
+fn vulkan_adapters() -> Value {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::VULKAN));
+    if adapters.is_empty() {
+        return json!({
+            "present": false,
+            "reason": "no Vulkan adapter: install a Vulkan driver \
+                       (Debian/Ubuntu: mesa-vulkan-drivers libvulkan1 for lavapipe)",
+        });
+    }
+    let items: Vec<Value> = adapters
+        .iter()
+        .map(|a| {
+            let info = a.get_info();
+            json!({
+                "name": info.name,
+                "device_type": format!("{:?}", info.device_type),
+                "driver": info.driver,
+                "driver_info": info.driver_info,
+            })
+        })
+        .collect();
+    json!({ "present": true, "items": items })
+}

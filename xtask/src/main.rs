@@ -1,0 +1,113 @@
+//! Workspace automation, run as `cargo xtask <command>` (alias in `.cargo/config.toml`).
+//!
+//! - `codegen [--check]`: regenerate checked-in generated files (kernel UAPI bindings), or fail
+//!   when any is stale.
+//! - `tidy`: house rules no lint covers.
+//! - `devices [--json FILE]`: discover the hardware this workspace can drive (Vulkan adapters,
+//!   DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 cameras, accel devices) and report it.
+//!
+//! Both `codegen --check` and `tidy` also run as `#[test]`s, so `cargo test` catches a stale
+//! binding or a broken rule without anyone remembering to run them.
+
+mod codegen;
+mod devices;
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "cargo xtask",
+    about = "Workspace automation for the zero-copy runtime"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Regenerate checked-in generated files (kernel UAPI bindings).
+    Codegen {
+        /// Write nothing; fail if any generated file is stale.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Check house rules (file headers, ignore reasons, fixtures provenance, lints, changelog).
+    Tidy,
+    /// Discover hardware: Vulkan adapters, DMA-BUF heaps, udmabuf, render nodes, cameras, accel.
+    Devices {
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let root = workspace_root();
+    let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
+        Cmd::Codegen { check } => {
+            let mode = if check {
+                codegen::Mode::Check
+            } else {
+                codegen::Mode::Write
+            };
+            codegen::run(&root, mode).map_err(Into::into)
+        }
+        Cmd::Tidy => tidy::run(&root).map_err(Into::into),
+        Cmd::Devices { json } => devices::run(json.as_deref()).map_err(Into::into),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root: the parent of this crate's manifest directory.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    /// Whether this run is CI, where every tool the tests need must be present.
+    fn in_ci() -> bool {
+        std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+    }
+
+    #[test]
+    fn generated_files_are_fresh() {
+        if !codegen::libclang_available() {
+            let msg = "codegen --check: SKIPPED, libclang is not installed \
+                       (Debian/Ubuntu: apt-get install libclang1-14)";
+            assert!(!in_ci(), "{msg}; CI must install it");
+            // Written to the real stderr, not the captured test output, so a skip is never silent.
+            let _ = writeln!(std::io::stderr(), "\n{msg}\n");
+            return;
+        }
+        if let Err(e) = codegen::run(&workspace_root(), codegen::Mode::Check) {
+            panic!("{e}");
+        }
+    }
+
+    #[test]
+    fn house_rules_hold() {
+        if let Err(e) = tidy::run(&workspace_root()) {
+            panic!("{e}");
+        }
+    }
+}
