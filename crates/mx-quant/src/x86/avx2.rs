@@ -1,0 +1,203 @@
+//! AVX2 block quantize and dequantize, bit-exact with [`crate::reference`].
+//!
+//! The element rounding is done the way the reference defines it, eight lanes at a time: each
+//! scaled magnitude `a` is multiplied by `2^(mb - e)` (its binade's quantum, exact), rounded to an
+//! integer with `vroundps` (ties to even) or truncation plus a comparison of the exact fraction
+//! with 1/2 (ties away), and scaled back. Codes are then read off the rounded value's f32 bits: for a
+//! normal the exponent and top mantissa bits are contiguous, so one shift and one re-bias give
+//! the element code; a subnormal's code is its count of quanta.
+//!
+//! Loads and stores go through `bytemuck` casts of arrays, so the only unsafe code is the call
+//! into a `#[target_feature]` function, made by the dispatcher after detecting the feature.
+
+use core::arch::x86_64::*;
+
+use crate::format::{BLOCK, ElemFormat, Rounding, SCALE_BIAS, SCALE_NAN, ScaleRule};
+use crate::reference;
+
+/// `2^e` as an f32 for `e` in `-149..=127`, subnormals included.
+#[inline(always)]
+pub(crate) fn pow2_f32(e: i32) -> f32 {
+    debug_assert!((-149..=127).contains(&e));
+    if e >= -126 {
+        f32::from_bits(((e + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1 << (e + 149))
+    }
+}
+
+/// Quantizes one block; `rule` is [`ScaleRule::Floor`] or [`ScaleRule::Rceil`].
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn quantize_block(
+    format: ElemFormat,
+    rounding: Rounding,
+    rule: ScaleRule,
+    block: &[f32; BLOCK],
+) -> (u8, [u8; BLOCK]) {
+    let x: [__m256; 4] = bytemuck::cast(*block);
+    let abs_mask = _mm256_set1_epi32(0x7FFF_FFFF);
+    let mut amax = _mm256_setzero_ps();
+    let mut non_finite = _mm256_setzero_si256();
+    for v in x {
+        let bits = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+        non_finite = _mm256_or_si256(
+            non_finite,
+            _mm256_cmpgt_epi32(bits, _mm256_set1_epi32(0x7F7F_FFFF)),
+        );
+        amax = _mm256_max_ps(amax, _mm256_castsi256_ps(bits));
+    }
+    if _mm256_movemask_epi8(non_finite) != 0 {
+        return (SCALE_NAN, [0; BLOCK]);
+    }
+    let amax = hmax(amax);
+    let exponent = reference::shared_exponent(format, rule, amax);
+    let inv_scale = _mm256_set1_ps(pow2_f32(-exponent));
+    let mut codes = [_mm256_setzero_si256(); 4];
+    for (c, v) in codes.iter_mut().zip(x) {
+        *c = encode(format, rounding, _mm256_mul_ps(v, inv_scale));
+    }
+    let words_ab = _mm256_packus_epi32(codes[0], codes[1]);
+    let words_cd = _mm256_packus_epi32(codes[2], codes[3]);
+    let bytes = _mm256_packus_epi16(words_ab, words_cd);
+    // packus works within 128-bit lanes: undo the interleave of 4-byte groups.
+    let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    ((exponent + SCALE_BIAS) as u8, bytemuck::cast(bytes))
+}
+
+/// Codes (one per 32-bit lane) of eight scaled elements.
+#[target_feature(enable = "avx2,fma")]
+fn encode(format: ElemFormat, rounding: Rounding, scaled: __m256) -> __m256i {
+    let sign = _mm256_and_si256(_mm256_castps_si256(scaled), _mm256_set1_epi32(i32::MIN));
+    let a = _mm256_and_ps(scaled, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF)));
+    let a = _mm256_min_ps(a, _mm256_set1_ps(format.max_normal()));
+    let round = |t: __m256| match rounding {
+        Rounding::NearestEven => {
+            _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t)
+        }
+        Rounding::NearestAway => {
+            // t >= 0: its integer part, plus one where the (exactly computed) fraction is >= 1/2.
+            // `floor(t + 0.5)` would be wrong: the add rounds when t has bits below 2^-24.
+            let whole = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
+            let half_up = _mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(t, whole), _mm256_set1_ps(0.5));
+            _mm256_add_ps(whole, _mm256_and_ps(half_up, _mm256_set1_ps(1.0)))
+        }
+    };
+    if format == ElemFormat::Int8 {
+        let k = round(_mm256_mul_ps(a, _mm256_set1_ps(64.0)));
+        let k = _mm256_cvtps_epi32(_mm256_min_ps(k, _mm256_set1_ps(127.0)));
+        // Negate where the input was negative (sign_epi32 keys on the sign of its second operand;
+        // a zero k stays zero either way).
+        let k = _mm256_sign_epi32(k, _mm256_or_si256(sign, _mm256_set1_epi32(1)));
+        return _mm256_and_si256(k, _mm256_set1_epi32(0xFF));
+    }
+    let mb = format.mant_bits() as i32;
+    let emin = format.emin();
+    let bias = format.exp_bias();
+    // e = max(floor(log2 a), emin); a == 0 reads as e = -127 and is lifted to emin.
+    let e = _mm256_sub_epi32(
+        _mm256_srli_epi32::<23>(_mm256_castps_si256(a)),
+        _mm256_set1_epi32(127),
+    );
+    let e = _mm256_max_epi32(e, _mm256_set1_epi32(emin));
+    let down = _mm256_slli_epi32::<23>(_mm256_sub_epi32(_mm256_set1_epi32(127 + mb), e));
+    let up = _mm256_slli_epi32::<23>(_mm256_add_epi32(e, _mm256_set1_epi32(127 - mb)));
+    let t = round(_mm256_mul_ps(a, _mm256_castsi256_ps(down)));
+    let r = _mm256_mul_ps(t, _mm256_castsi256_ps(up));
+    let rbits = _mm256_castps_si256(r);
+    let normal = _mm256_sub_epi32(
+        _mm256_srlv_epi32(rbits, _mm256_set1_epi32(23 - mb)),
+        _mm256_set1_epi32((127 - bias) << mb),
+    );
+    let subnormal = _mm256_cvtps_epi32(_mm256_mul_ps(r, _mm256_set1_ps(pow2_f32(mb - emin))));
+    let is_normal = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(
+        r,
+        _mm256_set1_ps(pow2_f32(emin)),
+    ));
+    let magnitude = _mm256_blendv_epi8(subnormal, normal, is_normal);
+    let sign = _mm256_srlv_epi32(sign, _mm256_set1_epi32(32 - format.bits() as i32));
+    _mm256_or_si256(magnitude, sign)
+}
+
+#[target_feature(enable = "avx2,fma")]
+fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m));
+    _mm_cvtss_f32(m)
+}
+
+/// Dequantizes one block of codes (one per byte) into `out`.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn dequantize_block(
+    format: ElemFormat,
+    scale: u8,
+    codes: &[u8; BLOCK],
+    out: &mut [f32; BLOCK],
+) {
+    if scale == SCALE_NAN {
+        *out = [f32::NAN; BLOCK];
+        return;
+    }
+    let x = i32::from(scale) - SCALE_BIAS;
+    let halves: [__m128i; 2] = bytemuck::cast(*codes);
+    let mut result = [_mm256_setzero_ps(); 4];
+    for (i, r) in result.iter_mut().enumerate() {
+        let half = halves[i / 2];
+        let eight = if i % 2 == 0 {
+            half
+        } else {
+            _mm_srli_si128::<8>(half)
+        };
+        *r = if format == ElemFormat::Int8 {
+            let k = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+            _mm256_mul_ps(k, _mm256_set1_ps(pow2_f32(x - 6)))
+        } else {
+            _mm256_mul_ps(
+                decode(format, _mm256_cvtepu8_epi32(eight)),
+                _mm256_set1_ps(pow2_f32(x)),
+            )
+        };
+    }
+    *out = bytemuck::cast(result);
+}
+
+/// Element values (unscaled) of eight FP codes, one per 32-bit lane.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) fn decode(format: ElemFormat, c: __m256i) -> __m256 {
+    let bits = format.bits() as i32;
+    let mb = format.mant_bits() as i32;
+    let sign_bit = i32::from(format.sign_bit());
+    let sign = _mm256_sllv_epi32(
+        _mm256_and_si256(c, _mm256_set1_epi32(sign_bit)),
+        _mm256_set1_epi32(32 - bits),
+    );
+    let mag = _mm256_and_si256(c, _mm256_set1_epi32(sign_bit - 1));
+    let exp = _mm256_srlv_epi32(mag, _mm256_set1_epi32(mb));
+    let mant = _mm256_and_si256(mag, _mm256_set1_epi32((1 << mb) - 1));
+    let normal = _mm256_add_epi32(
+        _mm256_sllv_epi32(mag, _mm256_set1_epi32(23 - mb)),
+        _mm256_set1_epi32((127 - format.exp_bias()) << 23),
+    );
+    let subnormal = _mm256_castps_si256(_mm256_mul_ps(
+        _mm256_cvtepi32_ps(mant),
+        _mm256_set1_ps(pow2_f32(format.emin() - mb)),
+    ));
+    let is_sub = _mm256_cmpeq_epi32(exp, _mm256_setzero_si256());
+    let mut value = _mm256_blendv_epi8(normal, subnormal, is_sub);
+    match format {
+        ElemFormat::Fp8E4M3 => {
+            let nan = _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F));
+            value = _mm256_blendv_epi8(value, _mm256_set1_epi32(0x7FC0_0000), nan);
+        }
+        ElemFormat::Fp8E5M2 => {
+            let special = _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(31));
+            let inf_nan = _mm256_or_si256(
+                _mm256_set1_epi32(0x7F80_0000),
+                _mm256_slli_epi32::<21>(mant),
+            );
+            value = _mm256_blendv_epi8(value, inf_nan, special);
+        }
+        _ => {}
+    }
+    _mm256_castsi256_ps(_mm256_or_si256(value, sign))
+}

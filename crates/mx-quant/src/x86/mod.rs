@@ -1,0 +1,43 @@
+//! x86-64 kernels: AVX2 for quantize/dequantize, AVX-512 VNNI for the integer GEMV.
+//!
+//! Every kernel is a `#[target_feature]` function, unsafe to call where the feature may be
+//! missing. The tokens here ([`Avx2`]) can only be made after run-time detection confirmed the
+//! features, and their methods are the one place those calls happen: holding a token is the proof
+//! that makes each call sound.
+
+pub(crate) mod avx2;
+
+use crate::format::{BLOCK, ElemFormat, Rounding, ScaleRule};
+
+/// Proof that this CPU has AVX2, FMA and F16C.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2(());
+
+impl Avx2 {
+    /// The token, if the CPU has the features.
+    pub(crate) fn new() -> Option<Avx2> {
+        crate::Isa::Avx2.is_available().then_some(Avx2(()))
+    }
+
+    pub(crate) fn quantize_block(
+        self,
+        format: ElemFormat,
+        rounding: Rounding,
+        rule: ScaleRule,
+        block: &[f32; BLOCK],
+    ) -> (u8, [u8; BLOCK]) {
+        // SAFETY: an `Avx2` token exists only when AVX2, FMA and F16C were detected.
+        unsafe { avx2::quantize_block(format, rounding, rule, block) }
+    }
+
+    pub(crate) fn dequantize_block(
+        self,
+        format: ElemFormat,
+        scale: u8,
+        codes: &[u8; BLOCK],
+        out: &mut [f32; BLOCK],
+    ) {
+        // SAFETY: an `Avx2` token exists only when AVX2, FMA and F16C were detected.
+        unsafe { avx2::dequantize_block(format, scale, codes, out) }
+    }
+}
