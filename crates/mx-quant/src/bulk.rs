@@ -112,6 +112,8 @@ pub(crate) enum Kernels {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2(crate::x86::Avx2),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(crate::x86::Avx512),
 }
 
 impl Kernels {
@@ -121,10 +123,14 @@ impl Kernels {
         match isa {
             Isa::Scalar => Ok(Kernels::Scalar),
             #[cfg(target_arch = "x86_64")]
-            // AVX-512 adds integer GEMV kernels; block quantization is AVX2 code on both levels.
-            Isa::Avx2 | Isa::Avx512 if isa.is_available() => crate::x86::Avx2::new()
+            Isa::Avx2 => crate::x86::Avx2::new()
                 .map(Kernels::Avx2)
                 .ok_or(unavailable),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => crate::x86::Avx512::new()
+                .map(Kernels::Avx512)
+                .ok_or(unavailable),
+            #[cfg(not(target_arch = "x86_64"))]
             _ => Err(unavailable),
         }
     }
@@ -139,8 +145,11 @@ impl Kernels {
             (Kernels::Scalar, _) | (_, ScaleRule::MseSearch) => {
                 reference::quantize_block_with(format, options, block)
             }
+            // AVX-512 adds the integer GEMV; block quantization is AVX2 code on both levels.
             #[cfg(target_arch = "x86_64")]
-            (Kernels::Avx2(k), rule) => k.quantize_block(format, options.rounding, rule, block),
+            (Kernels::Avx2(k) | Kernels::Avx512(crate::x86::Avx512 { avx2: k }), rule) => {
+                k.quantize_block(format, options.rounding, rule, block)
+            }
         }
     }
 
@@ -154,7 +163,29 @@ impl Kernels {
         match self {
             Kernels::Scalar => *out = reference::dequantize_block(format, scale, codes),
             #[cfg(target_arch = "x86_64")]
-            Kernels::Avx2(k) => k.dequantize_block(format, scale, codes, out),
+            Kernels::Avx2(k) | Kernels::Avx512(crate::x86::Avx512 { avx2: k }) => {
+                k.dequantize_block(format, scale, codes, out)
+            }
+        }
+    }
+
+    /// One row tile of the int8-activation GEMM (see [`crate::gemv`]).
+    pub(crate) fn q8_tile(
+        self,
+        m: &crate::gemv::MxMatrix,
+        map: &crate::gemv::IntMap,
+        tile: usize,
+        xs: &[&crate::gemv::Q8Activations],
+        acc: &mut [[f32; crate::gemv::TILE_ROWS]],
+    ) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx512(k) => {
+                let (codes, scales) = m.tile(tile);
+                k.q8_tile(m.format(), map, codes, scales, xs, acc)
+            }
+            // AVX2 has no 512-bit VNNI; it runs the portable kernel (auto-vectorised).
+            _ => crate::gemv::q8_tile_scalar(m, map, tile, xs, acc),
         }
     }
 }

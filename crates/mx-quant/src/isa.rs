@@ -14,7 +14,8 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// x86-64 AVX-512 F/BW/VL with VNNI (8-bit integer dot products), on top of [`Isa::Avx2`].
+    /// x86-64 AVX-512 F/BW/VL with VNNI (8-bit integer dot products) and VBMI (byte permutes), on
+    /// top of [`Isa::Avx2`].
     Avx512,
 }
 
@@ -39,6 +40,7 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
+                    && std::arch::is_x86_feature_detected!("avx512vbmi")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,

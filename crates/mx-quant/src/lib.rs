@@ -43,6 +43,7 @@
 
 pub mod bulk;
 mod format;
+pub mod gemv;
 mod isa;
 pub mod layout;
 pub mod reference;
@@ -70,6 +71,17 @@ pub enum Error {
         expected: usize,
         got: usize,
     },
+    /// A size computation overflowed `usize`.
+    #[error("tensor size overflows usize; the shape is corrupt or far too large")]
+    TooLarge,
+    /// A row index or tile range reaches past the matrix.
+    #[error("row {row} is out of range for a matrix of {rows} rows")]
+    RowOutOfRange { row: usize, rows: usize },
+    /// The operation does not exist for this element format.
+    #[error(
+        "element format {format} is not supported by this kernel (int8 dot products take fp4_e2m1, fp6_e2m3 and int8; use the f32 path)"
+    )]
+    UnsupportedFormat { format: ElemFormat },
     /// A kernel was asked for an instruction set this CPU lacks.
     #[error("instruction set {} is not available on this CPU; use `Isa::detect()`", isa.name())]
     IsaUnavailable { isa: Isa },

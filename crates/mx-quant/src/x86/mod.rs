@@ -6,8 +6,10 @@
 //! that makes each call sound.
 
 pub(crate) mod avx2;
+pub(crate) mod avx512;
 
 use crate::format::{BLOCK, ElemFormat, Rounding, ScaleRule};
+use crate::gemv::{IntMap, Q8Activations, TILE_ROWS};
 
 /// Proof that this CPU has AVX2, FMA and F16C.
 #[derive(Clone, Copy, Debug)]
@@ -39,5 +41,33 @@ impl Avx2 {
     ) {
         // SAFETY: an `Avx2` token exists only when AVX2, FMA and F16C were detected.
         unsafe { avx2::dequantize_block(format, scale, codes, out) }
+    }
+}
+
+/// Proof that this CPU has AVX-512 F/BW/VL/VNNI/VBMI on top of AVX2.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512 {
+    pub(crate) avx2: Avx2,
+}
+
+impl Avx512 {
+    /// The token, if the CPU has the features.
+    pub(crate) fn new() -> Option<Avx512> {
+        let avx2 = Avx2::new()?;
+        crate::Isa::Avx512.is_available().then_some(Avx512 { avx2 })
+    }
+
+    pub(crate) fn q8_tile(
+        self,
+        format: ElemFormat,
+        map: &IntMap,
+        codes: &[u8],
+        scales: &[u8],
+        xs: &[&Q8Activations],
+        acc: &mut [[f32; TILE_ROWS]],
+    ) {
+        // SAFETY: an `Avx512` token exists only when every feature of `avx512::q8_tile` was
+        // detected (`Isa::Avx512` checks AVX-512 F/BW/VL/VNNI/VBMI and AVX2/FMA).
+        unsafe { avx512::q8_tile(format, map, codes, scales, xs, acc) }
     }
 }

@@ -1,0 +1,572 @@
+//! Fused dequant GEMV and small-batch GEMM over MX weights, on a tiled layout repacked at load.
+//!
+//! # The tiled layout ([`MxMatrix`])
+//! Rows are grouped in tiles of [`TILE_ROWS`] (16: one AVX-512 register of f32 or i32 lanes, one
+//! lane per row). For each tile and each 32-column block, a *tile-block* holds the 16 rows' codes
+//! so that one 64-byte load feeds one `vpdpbusd`: byte `4 * r + i` of a 64-byte group is element
+//! `4 * g + i` of row `r`. Per format:
+//! - 8-bit codes: 8 groups of 64 B (512 B);
+//! - 4-bit codes: 4 groups of 64 B, group `2p` in the low nibbles and `2p + 1` in the high (256 B);
+//! - 6-bit codes: the low 4 bits as in the 4-bit layout (256 B), then the top 2 bits of groups
+//!   `4q..4q + 4` packed at bit positions 0, 2, 4, 6 of a 64-byte plane (2 planes, 128 B).
+//!
+//! Tile-blocks are 128-byte aligned (a multiple of 128 B each, from a 128-byte aligned base) and
+//! stored in the order the kernel reads them, so the weights stream sequentially. The 16 scale
+//! bytes of a tile-block sit in a parallel array. Rows past the matrix's end are zero padding.
+//!
+//! # Two paths
+//! - [`MxMatrix::gemm_q8`]: activations quantized per 32-block to int8 with an f32 scale
+//!   ([`Q8Activations`]); each weight code maps through a small table to an unsigned byte
+//!   `u = v * 2^k + offset`, so `vpdpbusd` computes `sum(u * q)` and the offset is removed with the
+//!   activation block's precomputed `sum(q)`. Formats whose values are small integers after
+//!   scaling: FP4 E2M1 (`2v + 12`), FP6 E2M3 (`8v + 60`), INT8 (`64v + 128`). This is the fast path.
+//! - [`MxMatrix::gemm_f32`]: f32 activations, every format: each tile-block is decoded to f32 in
+//!   L1 and multiplied in f32. The precise path.
+//!
+//! Both take a range of row tiles, so a caller's thread pool splits rows however it likes;
+//! [`gemv_parallel_q8`] does it with scoped threads.
+
+use crate::Error;
+use crate::format::{BLOCK, ElemFormat, QuantOptions, SCALE_BIAS, SCALE_NAN};
+use crate::isa::Isa;
+use crate::layout::{check_block_multiple, check_len, packed_len, unpack_block};
+use crate::reference;
+
+/// Rows per tile: one lane per row in a 512-bit register.
+pub const TILE_ROWS: usize = 16;
+
+/// One 128-byte cache line (two 64-byte lines on x86, one on Apple silicon and some Arm cores).
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+struct Line([u8; 128]);
+
+const _: () = assert!(size_of::<Line>() == 128 && align_of::<Line>() == 128);
+
+/// How a format's codes enter the integer dot product: `u = value * 2^shift + offset`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct IntMap {
+    /// `u8` for every code (16, 64 or 256 entries; INT8 uses `code ^ 0x80`).
+    pub(crate) table: [u8; 64],
+    pub(crate) offset: i32,
+    /// `2^-shift`: what one unit of `u` is worth.
+    pub(crate) unit: f32,
+}
+
+impl IntMap {
+    /// The map for `format`, if its scaled values are small integers.
+    pub(crate) fn new(format: ElemFormat) -> Option<IntMap> {
+        let (shift, offset) = match format {
+            ElemFormat::Fp4E2M1 => (1, 12),
+            ElemFormat::Fp6E2M3 => (3, 60),
+            ElemFormat::Int8 => (6, 128),
+            _ => return None,
+        };
+        let mut table = [0u8; 64];
+        if format != ElemFormat::Int8 {
+            for (code, t) in table.iter_mut().enumerate().take(format.code_count()) {
+                let v = reference::decode_elem(format, code as u8) * (1 << shift) as f32;
+                *t = (v as i32 + offset) as u8;
+            }
+        }
+        Some(IntMap {
+            table,
+            offset,
+            unit: 1.0 / (1 << shift) as f32,
+        })
+    }
+
+    fn unsigned(&self, format: ElemFormat, code: u8) -> u8 {
+        if format == ElemFormat::Int8 {
+            code ^ 0x80
+        } else {
+            self.table[usize::from(code)]
+        }
+    }
+}
+
+/// Bytes of one tile-block of codes.
+const fn tile_block_bytes(format: ElemFormat) -> usize {
+    TILE_ROWS * packed_len(format, BLOCK)
+}
+
+/// A weight matrix (`rows x cols`, row-major semantics) in the tiled MX layout.
+#[derive(Clone, Debug)]
+pub struct MxMatrix {
+    format: ElemFormat,
+    rows: usize,
+    cols: usize,
+    /// `[tile][block][row in tile]` E8M0 scales.
+    scales: Vec<u8>,
+    /// `[tile][block]` tile-blocks, each [`tile_block_bytes`] long.
+    lines: Vec<Line>,
+}
+
+impl MxMatrix {
+    /// Quantizes a row-major `rows x cols` f32 matrix (`cols` a multiple of 32).
+    pub fn quantize(
+        format: ElemFormat,
+        options: QuantOptions,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> Result<MxMatrix, Error> {
+        check_block_multiple(cols)?;
+        check_len(
+            "matrix data",
+            rows.checked_mul(cols).ok_or(Error::TooLarge)?,
+            data.len(),
+        )?;
+        let blocks = rows * cols / BLOCK;
+        let mut scales = vec![0u8; blocks];
+        let mut packed = vec![0u8; packed_len(format, rows * cols)];
+        crate::bulk::quantize(format, options, data, &mut scales, &mut packed)?;
+        MxMatrix::from_linear(format, rows, cols, &scales, &packed)
+    }
+
+    /// Repacks a matrix stored in the linear layout: `scales` row-major `[row][block]`, `packed`
+    /// the rows' codes back to back.
+    pub fn from_linear(
+        format: ElemFormat,
+        rows: usize,
+        cols: usize,
+        scales: &[u8],
+        packed: &[u8],
+    ) -> Result<MxMatrix, Error> {
+        check_block_multiple(cols)?;
+        let elements = rows.checked_mul(cols).ok_or(Error::TooLarge)?;
+        let blocks_per_row = cols / BLOCK;
+        check_len("scales", elements / BLOCK, scales.len())?;
+        check_len("packed codes", packed_len(format, elements), packed.len())?;
+        let row_bytes = packed_len(format, cols);
+        let block_bytes = packed_len(format, BLOCK);
+        let mut m = MxMatrix::zeroed(format, rows, cols)?;
+        for row in 0..rows {
+            for b in 0..blocks_per_row {
+                let start = row * row_bytes + b * block_bytes;
+                let codes = unpack_block(format, &packed[start..start + block_bytes]);
+                m.set_block(row, b, scales[row * blocks_per_row + b], &codes);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Builds a matrix from GGUF `block_mxfp4` rows (`rows * cols / 32` blocks, row-major).
+    pub fn from_gguf_mxfp4(
+        rows: usize,
+        cols: usize,
+        blocks: &[crate::layout::BlockMxfp4],
+    ) -> Result<MxMatrix, Error> {
+        check_block_multiple(cols)?;
+        let elements = rows.checked_mul(cols).ok_or(Error::TooLarge)?;
+        check_len("block_mxfp4 blocks", elements / BLOCK, blocks.len())?;
+        let mut m = MxMatrix::zeroed(ElemFormat::Fp4E2M1, rows, cols)?;
+        let per_row = cols / BLOCK;
+        for (i, block) in blocks.iter().enumerate() {
+            m.set_block(i / per_row, i % per_row, block.e, &block.codes());
+        }
+        Ok(m)
+    }
+
+    fn zeroed(format: ElemFormat, rows: usize, cols: usize) -> Result<MxMatrix, Error> {
+        let tiles = rows.div_ceil(TILE_ROWS);
+        let tile_blocks = tiles.checked_mul(cols / BLOCK).ok_or(Error::TooLarge)?;
+        let bytes = tile_blocks
+            .checked_mul(tile_block_bytes(format))
+            .ok_or(Error::TooLarge)?;
+        Ok(MxMatrix {
+            format,
+            rows,
+            cols,
+            scales: vec![0; tile_blocks * TILE_ROWS],
+            lines: vec![Line([0; 128]); bytes / 128],
+        })
+    }
+
+    fn blocks_per_row(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    fn tile_block_index(&self, row: usize, block: usize) -> usize {
+        (row / TILE_ROWS) * self.blocks_per_row() + block
+    }
+
+    fn codes_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.lines)
+    }
+
+    /// Writes one row-block (scale and 32 codes) into its tile-block.
+    fn set_block(&mut self, row: usize, block: usize, scale: u8, codes: &[u8; BLOCK]) {
+        let tb = self.tile_block_index(row, block);
+        let r = row % TILE_ROWS;
+        self.scales[tb * TILE_ROWS + r] = scale;
+        let format = self.format;
+        let size = tile_block_bytes(format);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.lines);
+        let tile = &mut bytes[tb * size..(tb + 1) * size];
+        for (k, &code) in codes.iter().enumerate() {
+            let (g, i) = (k / 4, k % 4);
+            let lane = 4 * r + i;
+            match format.bits() {
+                8 => tile[64 * g + lane] = code,
+                4 => tile[64 * (g / 2) + lane] |= (code & 0x0F) << (4 * (g % 2)),
+                _ => {
+                    tile[64 * (g / 2) + lane] |= (code & 0x0F) << (4 * (g % 2));
+                    tile[256 + 64 * (g / 4) + lane] |= ((code >> 4) & 0x03) << (2 * (g % 4));
+                }
+            }
+        }
+    }
+
+    /// One row-block back: its scale and 32 codes.
+    fn get_block(&self, row: usize, block: usize) -> (u8, [u8; BLOCK]) {
+        let tb = self.tile_block_index(row, block);
+        let r = row % TILE_ROWS;
+        let size = tile_block_bytes(self.format);
+        let tile = &self.codes_bytes()[tb * size..(tb + 1) * size];
+        let codes = std::array::from_fn(|k| {
+            let (g, i) = (k / 4, k % 4);
+            let lane = 4 * r + i;
+            match self.format.bits() {
+                8 => tile[64 * g + lane],
+                4 => (tile[64 * (g / 2) + lane] >> (4 * (g % 2))) & 0x0F,
+                _ => {
+                    let lo = (tile[64 * (g / 2) + lane] >> (4 * (g % 2))) & 0x0F;
+                    let hi = (tile[256 + 64 * (g / 4) + lane] >> (2 * (g % 4))) & 0x03;
+                    lo | hi << 4
+                }
+            }
+        });
+        (self.scales[tb * TILE_ROWS + r], codes)
+    }
+
+    /// The element format.
+    pub fn format(&self) -> ElemFormat {
+        self.format
+    }
+
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Bytes a GEMV streams: codes and scales, padding rows included.
+    pub fn stream_bytes(&self) -> usize {
+        self.lines.len() * 128 + self.scales.len()
+    }
+
+    /// Number of row tiles (the unit [`MxMatrix::gemm_q8`] and [`MxMatrix::gemm_f32`] split on).
+    pub fn tiles(&self) -> usize {
+        self.rows.div_ceil(TILE_ROWS)
+    }
+
+    /// Row `row` dequantized into `out` (`cols` long).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) -> Result<(), Error> {
+        if row >= self.rows {
+            return Err(Error::RowOutOfRange {
+                row,
+                rows: self.rows,
+            });
+        }
+        check_len("row output", self.cols, out.len())?;
+        for (b, chunk) in out.chunks_exact_mut(BLOCK).enumerate() {
+            let (scale, codes) = self.get_block(row, b);
+            chunk.copy_from_slice(&reference::dequantize_block(self.format, scale, &codes));
+        }
+        Ok(())
+    }
+
+    /// Whether [`MxMatrix::gemm_q8`] supports this matrix's format.
+    pub fn supports_q8(&self) -> bool {
+        IntMap::new(self.format).is_some()
+    }
+
+    /// `y[b][row] = sum_k W[row][k] * x[b][k]` for the rows of `tiles`, with int8 activations.
+    /// `ys[b]` receives batch column `b`'s rows of those tiles: rows `16 * tiles.start` up to
+    /// `min(16 * tiles.end, rows)`, so disjoint tile ranges write disjoint slices and a thread
+    /// pool can split one output vector with `chunks_mut`. `isa` must be available.
+    pub fn gemm_q8(
+        &self,
+        isa: Isa,
+        xs: &[&Q8Activations],
+        ys: &mut [&mut [f32]],
+        tiles: std::ops::Range<usize>,
+    ) -> Result<(), Error> {
+        let map = IntMap::new(self.format).ok_or(Error::UnsupportedFormat {
+            format: self.format,
+        })?;
+        self.check_gemm(xs.iter().map(|x| x.len()), ys, &tiles)?;
+        let kernel = crate::bulk::Kernels::new(isa)?;
+        for tile in tiles.clone() {
+            let mut acc = [[0f32; TILE_ROWS]; MAX_BATCH];
+            for (chunk_x, chunk_acc) in xs.chunks(MAX_BATCH).zip(ys.chunks_mut(MAX_BATCH)) {
+                let acc = &mut acc[..chunk_x.len()];
+                kernel.q8_tile(self, &map, tile, chunk_x, acc);
+                let (start, end) = self.tile_rows(tile, &tiles);
+                for (y, a) in chunk_acc.iter_mut().zip(acc.iter()) {
+                    y[start..end].copy_from_slice(&a[..end - start]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `y[b][row] = sum_k W[row][k] * x[b][k]` for the rows of `tiles`, f32 activations; `ys` as
+    /// in [`MxMatrix::gemm_q8`].
+    pub fn gemm_f32(
+        &self,
+        xs: &[&[f32]],
+        ys: &mut [&mut [f32]],
+        tiles: std::ops::Range<usize>,
+    ) -> Result<(), Error> {
+        self.check_gemm(xs.iter().map(|x| x.len()), ys, &tiles)?;
+        let mut w = [[0f32; BLOCK]; TILE_ROWS];
+        let mut acc = vec![[0f32; TILE_ROWS]; xs.len()];
+        for tile in tiles.clone() {
+            acc.iter_mut().for_each(|a| *a = [0.0; TILE_ROWS]);
+            for b in 0..self.blocks_per_row() {
+                for (r, wr) in w.iter_mut().enumerate() {
+                    let row = tile * TILE_ROWS + r;
+                    let (scale, codes) = self.get_block(row.min(self.rows.saturating_sub(1)), b);
+                    *wr = if row < self.rows {
+                        reference::dequantize_block(self.format, scale, &codes)
+                    } else {
+                        [0.0; BLOCK]
+                    };
+                }
+                for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                    let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+                    for (wr, ar) in w.iter().zip(a.iter_mut()) {
+                        *ar += wr.iter().zip(xb).map(|(w, x)| w * x).sum::<f32>();
+                    }
+                }
+            }
+            let (start, end) = self.tile_rows(tile, &tiles);
+            for (y, a) in ys.iter_mut().zip(&acc) {
+                y[start..end].copy_from_slice(&a[..end - start]);
+            }
+        }
+        Ok(())
+    }
+
+    fn check_gemm(
+        &self,
+        x_lens: impl Iterator<Item = usize>,
+        ys: &[&mut [f32]],
+        tiles: &std::ops::Range<usize>,
+    ) -> Result<(), Error> {
+        let mut batch = 0;
+        for len in x_lens {
+            check_len("activation vector", self.cols, len)?;
+            batch += 1;
+        }
+        check_len("output vectors", batch, ys.len())?;
+        if tiles.start > tiles.end || tiles.end > self.tiles() {
+            return Err(Error::RowOutOfRange {
+                row: tiles.end * TILE_ROWS,
+                rows: self.rows,
+            });
+        }
+        let rows = self.rows_of(tiles);
+        for y in ys {
+            check_len("output rows", rows.len(), y.len())?;
+        }
+        Ok(())
+    }
+
+    /// The matrix rows that row tiles `tiles` cover.
+    pub fn rows_of(&self, tiles: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+        (tiles.start * TILE_ROWS).min(self.rows)..(tiles.end * TILE_ROWS).min(self.rows)
+    }
+
+    /// Where `tile`'s rows land in an output slice that starts at `tiles.start`.
+    fn tile_rows(&self, tile: usize, tiles: &std::ops::Range<usize>) -> (usize, usize) {
+        let first = tiles.start * TILE_ROWS;
+        let start = tile * TILE_ROWS;
+        let end = (start + TILE_ROWS).min(self.rows);
+        (start - first, end - first)
+    }
+
+    /// All tile-blocks of row tile `tile` (back to back) and their scales (16 per block).
+    pub(crate) fn tile(&self, tile: usize) -> (&[u8], &[u8]) {
+        let n = self.blocks_per_row();
+        let size = tile_block_bytes(self.format);
+        (
+            &self.codes_bytes()[tile * n * size..(tile + 1) * n * size],
+            &self.scales[tile * n * TILE_ROWS..(tile + 1) * n * TILE_ROWS],
+        )
+    }
+
+    /// The tile-block of codes `(tile, block)` as bytes, and its 16 scales.
+    pub(crate) fn tile_block(&self, tile: usize, block: usize) -> (&[u8], &[u8]) {
+        let tb = tile * self.blocks_per_row() + block;
+        let size = tile_block_bytes(self.format);
+        (
+            &self.codes_bytes()[tb * size..(tb + 1) * size],
+            &self.scales[tb * TILE_ROWS..(tb + 1) * TILE_ROWS],
+        )
+    }
+
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks_per_row()
+    }
+}
+
+/// Batch columns a q8 kernel call carries at once (weights are decoded once per tile-block and
+/// reused for each column).
+pub const MAX_BATCH: usize = 8;
+
+/// Activations quantized for [`MxMatrix::gemm_q8`]: per 32-block an int8 vector `q`, its scale
+/// `d = amax / 127` (so `x ~= d * q`) and `sum(q)`.
+#[derive(Clone, Debug, Default)]
+pub struct Q8Activations {
+    pub(crate) q: Vec<i8>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) sums: Vec<i32>,
+}
+
+impl Q8Activations {
+    /// Quantizes `x` (length a multiple of 32). Non-finite inputs make their block's scale NaN,
+    /// so the affected outputs are NaN rather than silently wrong.
+    pub fn quantize(x: &[f32]) -> Result<Q8Activations, Error> {
+        let mut a = Q8Activations::default();
+        a.requantize(x)?;
+        Ok(a)
+    }
+
+    /// Re-quantizes into the existing buffers (no allocation once sized).
+    pub fn requantize(&mut self, x: &[f32]) -> Result<(), Error> {
+        check_block_multiple(x.len())?;
+        self.q.resize(x.len(), 0);
+        self.d.resize(x.len() / BLOCK, 0.0);
+        self.sums.resize(x.len() / BLOCK, 0);
+        for ((xb, qb), (d, sum)) in x
+            .chunks_exact(BLOCK)
+            .zip(self.q.chunks_exact_mut(BLOCK))
+            .zip(self.d.iter_mut().zip(self.sums.iter_mut()))
+        {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            if !xb.iter().all(|v| v.is_finite()) {
+                *d = f32::NAN;
+                qb.fill(0);
+                *sum = 0;
+                continue;
+            }
+            *d = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let mut s = 0;
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                s += i32::from(*q);
+            }
+            *sum = s;
+        }
+        Ok(())
+    }
+
+    /// Length in elements.
+    pub fn len(&self) -> usize {
+        self.q.len()
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    /// The activations as the kernel sees them (`d * q`), for error analysis.
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.q
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| self.d[i / BLOCK] * f32::from(q))
+            .collect()
+    }
+}
+
+/// The f32 value of an E8M0 scale byte as the q8 kernels compute it: `2^(e - 127)`, with 0xFF
+/// as +Inf (a NaN block's codes are all zero, so its products become NaN).
+pub(crate) fn e8m0_to_f32(e: u8) -> f32 {
+    match e {
+        0 => f32::from_bits(0x0040_0000),
+        SCALE_NAN => f32::INFINITY,
+        _ => f32::from_bits(u32::from(e) << 23),
+    }
+}
+
+const _: () = assert!(
+    SCALE_BIAS == 127,
+    "e8m0_to_f32 places the byte directly in the f32 exponent"
+);
+
+/// The portable q8 tile kernel: the arithmetic every SIMD variant reproduces exactly (integer
+/// dot products, then per block `acc = fma(isum, scale_w * d_x * unit, acc)`).
+pub(crate) fn q8_tile_scalar(
+    m: &MxMatrix,
+    map: &IntMap,
+    tile: usize,
+    xs: &[&Q8Activations],
+    acc: &mut [[f32; TILE_ROWS]],
+) {
+    for a in acc.iter_mut() {
+        *a = [0.0; TILE_ROWS];
+    }
+    for b in 0..m.blocks() {
+        let (_, scales) = m.tile_block(tile, b);
+        let mut w = [[0u8; BLOCK]; TILE_ROWS];
+        for (r, wr) in w.iter_mut().enumerate() {
+            let row = tile * TILE_ROWS + r;
+            if row < m.rows {
+                let (_, codes) = m.get_block(row, b);
+                for (u, c) in wr.iter_mut().zip(codes) {
+                    *u = map.unsigned(m.format, c);
+                }
+            }
+        }
+        for (x, a) in xs.iter().zip(acc.iter_mut()) {
+            let q = &x.q[b * BLOCK..(b + 1) * BLOCK];
+            let dx = x.d[b] * map.unit;
+            let correction = map.offset * x.sums[b];
+            for ((wr, ar), &s) in w.iter().zip(a.iter_mut()).zip(scales) {
+                let dot: i32 = wr
+                    .iter()
+                    .zip(q)
+                    .map(|(&u, &q)| i32::from(u) * i32::from(q))
+                    .sum();
+                let isum = dot - correction;
+                *ar = (isum as f32).mul_add(e8m0_to_f32(s) * dx, *ar);
+            }
+        }
+    }
+}
+
+/// `y = W x` with int8 activations over all rows, splitting row tiles across `threads` scoped
+/// threads (spawned per call: fine for large matrices; a decoder drives [`MxMatrix::gemm_q8`]
+/// from its own persistent pool instead).
+pub fn gemv_parallel_q8(
+    m: &MxMatrix,
+    x: &Q8Activations,
+    y: &mut [f32],
+    threads: usize,
+) -> Result<(), Error> {
+    let isa = Isa::detect();
+    let tiles = m.tiles();
+    let threads = threads.clamp(1, tiles.max(1));
+    if threads == 1 {
+        return m.gemm_q8(isa, &[x], &mut [y], 0..tiles);
+    }
+    check_len("output vector", m.rows, y.len())?;
+    let per = tiles.div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = y
+            .chunks_mut(per * TILE_ROWS)
+            .enumerate()
+            .map(|(i, rows)| {
+                let span = i * per..((i + 1) * per).min(tiles);
+                s.spawn(move || m.gemm_q8(isa, &[x], &mut [rows], span))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().expect("gemv worker does not panic"))
+    })
+}
