@@ -188,4 +188,22 @@ impl Kernels {
             _ => crate::gemv::q8_tile_scalar(m, map, tile, xs, acc),
         }
     }
+
+    /// One row tile of the f32-activation GEMM (see [`crate::gemv`]).
+    pub(crate) fn f32_tile(
+        self,
+        m: &crate::gemv::MxMatrix,
+        tile: usize,
+        xs: &[&[f32]],
+        acc: &mut [[f32; crate::gemv::TILE_ROWS]],
+    ) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx512(k) => {
+                let (codes, scales) = m.tile(tile);
+                k.f32_tile(m.format(), codes, scales, xs, acc)
+            }
+            _ => crate::gemv::f32_tile_scalar(m, tile, xs, acc),
+        }
+    }
 }

@@ -311,38 +311,25 @@ impl MxMatrix {
     }
 
     /// `y[b][row] = sum_k W[row][k] * x[b][k]` for the rows of `tiles`, f32 activations; `ys` as
-    /// in [`MxMatrix::gemm_q8`].
+    /// in [`MxMatrix::gemm_q8`]. Every format; `isa` must be available.
     pub fn gemm_f32(
         &self,
+        isa: Isa,
         xs: &[&[f32]],
         ys: &mut [&mut [f32]],
         tiles: std::ops::Range<usize>,
     ) -> Result<(), Error> {
         self.check_gemm(xs.iter().map(|x| x.len()), ys, &tiles)?;
-        let mut w = [[0f32; BLOCK]; TILE_ROWS];
-        let mut acc = vec![[0f32; TILE_ROWS]; xs.len()];
+        let kernel = crate::bulk::Kernels::new(isa)?;
         for tile in tiles.clone() {
-            acc.iter_mut().for_each(|a| *a = [0.0; TILE_ROWS]);
-            for b in 0..self.blocks_per_row() {
-                for (r, wr) in w.iter_mut().enumerate() {
-                    let row = tile * TILE_ROWS + r;
-                    let (scale, codes) = self.get_block(row.min(self.rows.saturating_sub(1)), b);
-                    *wr = if row < self.rows {
-                        reference::dequantize_block(self.format, scale, &codes)
-                    } else {
-                        [0.0; BLOCK]
-                    };
+            let mut acc = [[0f32; TILE_ROWS]; MAX_BATCH];
+            for (chunk_x, chunk_y) in xs.chunks(MAX_BATCH).zip(ys.chunks_mut(MAX_BATCH)) {
+                let acc = &mut acc[..chunk_x.len()];
+                kernel.f32_tile(self, tile, chunk_x, acc);
+                let (start, end) = self.tile_rows(tile, &tiles);
+                for (y, a) in chunk_y.iter_mut().zip(acc.iter()) {
+                    y[start..end].copy_from_slice(&a[..end - start]);
                 }
-                for (x, a) in xs.iter().zip(acc.iter_mut()) {
-                    let xb = &x[b * BLOCK..(b + 1) * BLOCK];
-                    for (wr, ar) in w.iter().zip(a.iter_mut()) {
-                        *ar += wr.iter().zip(xb).map(|(w, x)| w * x).sum::<f32>();
-                    }
-                }
-            }
-            let (start, end) = self.tile_rows(tile, &tiles);
-            for (y, a) in ys.iter_mut().zip(&acc) {
-                y[start..end].copy_from_slice(&a[..end - start]);
             }
         }
         Ok(())
@@ -534,6 +521,53 @@ pub(crate) fn q8_tile_scalar(
                     .sum();
                 let isum = dot - correction;
                 *ar = (isum as f32).mul_add(e8m0_to_f32(s) * dx, *ar);
+            }
+        }
+    }
+}
+
+/// The portable f32 tile kernel, the exact model of the SIMD variants: per block and row, the
+/// dot product of the block's element values with `x` accumulated by FMA in element order, then
+/// `acc = fma(dot, scale_w, acc)` (INT8's 1/64 folded into `scale_w`).
+pub(crate) fn f32_tile_scalar(
+    m: &MxMatrix,
+    tile: usize,
+    xs: &[&[f32]],
+    acc: &mut [[f32; TILE_ROWS]],
+) {
+    let format = m.format;
+    let values: Vec<f32> = (0..format.code_count())
+        .map(|c| {
+            if format == ElemFormat::Int8 {
+                f32::from(c as u8 as i8)
+            } else {
+                reference::decode_elem(format, c as u8)
+            }
+        })
+        .collect();
+    let unit = if format == ElemFormat::Int8 {
+        1.0 / 64.0
+    } else {
+        1.0
+    };
+    for a in acc.iter_mut() {
+        *a = [0.0; TILE_ROWS];
+    }
+    for b in 0..m.blocks() {
+        for r in 0..TILE_ROWS {
+            let row = tile * TILE_ROWS + r;
+            if row >= m.rows {
+                break;
+            }
+            let (scale, codes) = m.get_block(row, b);
+            let scale_w = e8m0_to_f32(scale) * unit;
+            for (x, a) in xs.iter().zip(acc.iter_mut()) {
+                let xb = &x[b * BLOCK..(b + 1) * BLOCK];
+                let dot = codes
+                    .iter()
+                    .zip(xb)
+                    .fold(0f32, |d, (&c, &xk)| values[usize::from(c)].mul_add(xk, d));
+                a[r] = dot.mul_add(scale_w, a[r]);
             }
         }
     }

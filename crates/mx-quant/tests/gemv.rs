@@ -65,7 +65,7 @@ fn tiled_layout_round_trips_every_format() {
 }
 
 #[test]
-fn f32_path_matches_f64_reference() {
+fn f32_path_matches_f64_reference_and_is_bitwise_equal_across_isas() {
     for format in ElemFormat::ALL {
         for (rows, cols) in SHAPES {
             let m = MxMatrix::quantize(
@@ -77,8 +77,20 @@ fn f32_path_matches_f64_reference() {
             )
             .unwrap();
             let x = test_matrix(1, cols, 3);
-            let mut y = vec![0f32; rows];
-            m.gemm_f32(&[&x], &mut [&mut y], 0..m.tiles()).unwrap();
+            let mut scalar_y = vec![0f32; rows];
+            m.gemm_f32(Isa::Scalar, &[&x], &mut [&mut scalar_y], 0..m.tiles())
+                .unwrap();
+            for isa in Isa::available() {
+                let mut y = vec![0f32; rows];
+                m.gemm_f32(isa, &[&x], &mut [&mut y], 0..m.tiles()).unwrap();
+                assert!(
+                    y.iter()
+                        .zip(&scalar_y)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{format} {rows}x{cols}: {} differs from scalar",
+                    isa.name()
+                );
+            }
             for (r, w) in dequantized_rows(&m).iter().enumerate() {
                 let exact: f64 = w
                     .iter()
@@ -90,11 +102,11 @@ fn f32_path_matches_f64_reference() {
                     .zip(&x)
                     .map(|(a, b)| (f64::from(*a) * f64::from(*b)).abs())
                     .sum();
-                let err = (f64::from(y[r]) - exact).abs();
+                let err = (f64::from(scalar_y[r]) - exact).abs();
                 assert!(
                     err <= accumulation_bound(cols, abs),
                     "{format} {rows}x{cols} row {r}: {} vs {exact}",
-                    y[r]
+                    scalar_y[r]
                 );
             }
         }

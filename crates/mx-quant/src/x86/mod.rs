@@ -70,4 +70,16 @@ impl Avx512 {
         // detected (`Isa::Avx512` checks AVX-512 F/BW/VL/VNNI/VBMI and AVX2/FMA).
         unsafe { avx512::q8_tile(format, map, codes, scales, xs, acc) }
     }
+
+    pub(crate) fn f32_tile(
+        self,
+        format: ElemFormat,
+        codes: &[u8],
+        scales: &[u8],
+        xs: &[&[f32]],
+        acc: &mut [[f32; TILE_ROWS]],
+    ) {
+        // SAFETY: as for `q8_tile`: the token proves every feature `avx512::f32_tile` uses.
+        unsafe { avx512::f32_tile(format, codes, scales, xs, acc) }
+    }
 }
