@@ -26,23 +26,94 @@ pub(crate) fn q8_tile(
     acc: &mut [[f32; TILE_ROWS]],
 ) {
     debug_assert!(xs.len() <= MAX_BATCH && xs.len() == acc.len());
-    let tb_bytes = TILE_ROWS * BLOCK * format.bits() as usize / 8;
+    // Monomorphise on format and batch size so the block loop has no branches and the
+    // accumulators live in registers.
+    macro_rules! batch {
+        ($bits:literal) => {
+            match xs.len() {
+                1 => q8_tile_n::<$bits, 1>(map, codes, scales, xs, acc),
+                2 => q8_tile_n::<$bits, 2>(map, codes, scales, xs, acc),
+                3 => q8_tile_n::<$bits, 3>(map, codes, scales, xs, acc),
+                4 => q8_tile_n::<$bits, 4>(map, codes, scales, xs, acc),
+                5 => q8_tile_n::<$bits, 5>(map, codes, scales, xs, acc),
+                6 => q8_tile_n::<$bits, 6>(map, codes, scales, xs, acc),
+                7 => q8_tile_n::<$bits, 7>(map, codes, scales, xs, acc),
+                _ => q8_tile_n::<$bits, 8>(map, codes, scales, xs, acc),
+            }
+        };
+    }
+    match format.bits() {
+        4 => batch!(4),
+        6 => batch!(6),
+        _ => batch!(8),
+    }
+}
+
+/// [`q8_tile`] for codes of `BITS` bits and a batch of exactly `N` columns.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
+fn q8_tile_n<const BITS: u32, const N: usize>(
+    map: &IntMap,
+    codes: &[u8],
+    scales: &[u8],
+    xs: &[&Q8Activations],
+    acc: &mut [[f32; TILE_ROWS]],
+) {
+    let tb_bytes = TILE_ROWS * BLOCK * BITS as usize / 8;
     let blocks = scales.len() / TILE_ROWS;
-    debug_assert_eq!(codes.len(), blocks * tb_bytes);
-    let table: __m512i = bytemuck::cast(map.table);
-    let lut16 = _mm512_broadcast_i32x4(bytemuck::cast::<[u8; 16], __m128i>(
-        map.table[..16].try_into().expect("16 bytes"),
-    ));
-    let mut sums = [_mm512_setzero_ps(); MAX_BATCH];
+    assert!(codes.len() == blocks * tb_bytes && xs.len() == N && acc.len() == N);
+    let cols = blocks * BLOCK;
+    let xs: [&Q8Activations; N] = std::array::from_fn(|j| xs[j]);
+    assert!(
+        xs.iter()
+            .all(|x| x.q.len() == cols && x.d.len() == blocks && x.sums.len() == blocks)
+    );
+    // A 64-entry table whose entry i is the 16-entry table's entry i & 15: `vpermb` reads only
+    // an index's low six bits, so a nibble needs no masking before the lookup.
+    let table: __m512i = if BITS == 4 {
+        bytemuck::cast::<[u8; 64], __m512i>(std::array::from_fn(|i| map.table[i & 15]))
+    } else {
+        bytemuck::cast(map.table)
+    };
+    let mut sums = [_mm512_setzero_ps(); N];
     for b in 0..blocks {
         let tile: &[[u8; 64]] = bytemuck::cast_slice(&codes[b * tb_bytes..(b + 1) * tb_bytes]);
-        let mut w = raw_groups(format, tile);
-        for wg in &mut w {
-            *wg = match format.bits() {
-                8 => _mm512_xor_si512(*wg, _mm512_set1_epi8(-128)),
-                4 => _mm512_shuffle_epi8(lut16, *wg),
-                _ => _mm512_permutexvar_epi8(*wg, table),
-            };
+        let load = |i: usize| -> __m512i { bytemuck::cast(tile[i]) };
+        let mut w = [_mm512_setzero_si512(); 8];
+        if BITS == 4 {
+            for p in 0..4 {
+                let z = load(p);
+                w[2 * p] = _mm512_permutexvar_epi8(z, table);
+                w[2 * p + 1] = _mm512_permutexvar_epi8(_mm512_srli_epi16::<4>(z), table);
+            }
+        } else if BITS == 6 {
+            // Code bits 0-3 from the nibble planes, bits 4-5 from the high planes, merged with
+            // one bit-select (`vpternlogd` 0xE4: (A & C) | (B & !C) with C = 0x0F); `vpermb`
+            // ignores bits 6-7, so nothing else needs clearing.
+            let low_bits = _mm512_set1_epi8(0x0F);
+            let (h0, h1) = (load(4), load(5));
+            let high = [
+                _mm512_slli_epi16::<4>(h0),
+                _mm512_slli_epi16::<2>(h0),
+                h0,
+                _mm512_srli_epi16::<2>(h0),
+                _mm512_slli_epi16::<4>(h1),
+                _mm512_slli_epi16::<2>(h1),
+                h1,
+                _mm512_srli_epi16::<2>(h1),
+            ];
+            for p in 0..4 {
+                let z = load(p);
+                let nibbles = [z, _mm512_srli_epi16::<4>(z)];
+                for (k, n) in nibbles.into_iter().enumerate() {
+                    let g = 2 * p + k;
+                    let code = _mm512_ternarylogic_epi32::<0xE4>(n, high[g], low_bits);
+                    w[g] = _mm512_permutexvar_epi8(code, table);
+                }
+            }
+        } else {
+            for (g, wg) in w.iter_mut().enumerate() {
+                *wg = _mm512_xor_si512(load(g), _mm512_set1_epi8(-128));
+            }
         }
         let s = _mm512_cvtepu8_epi32(bytemuck::cast::<[u8; 16], __m128i>(
             scales[b * TILE_ROWS..(b + 1) * TILE_ROWS]
@@ -52,10 +123,16 @@ pub(crate) fn q8_tile(
         let bits = _mm512_slli_epi32::<23>(s);
         // E8M0 0 is 2^-127, an f32 subnormal; 255 already reads as +Inf.
         let zero = _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512());
-        let bits = _mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x0040_0000));
-        let scale_w = _mm512_castsi512_ps(bits);
-        for (j, x) in xs.iter().enumerate() {
-            let q: &[i32] = bytemuck::cast_slice(&x.q[b * BLOCK..(b + 1) * BLOCK]);
+        let scale_w = _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+            bits,
+            zero,
+            _mm512_set1_epi32(0x0040_0000),
+        ));
+        for j in 0..N {
+            let x = xs[j];
+            let q: &[i32; 8] = bytemuck::cast_ref(
+                <&[i8; BLOCK]>::try_from(&x.q[b * BLOCK..(b + 1) * BLOCK]).expect("32 activations"),
+            );
             let mut isum = _mm512_setzero_si512();
             for (g, &wg) in w.iter().enumerate() {
                 isum = _mm512_dpbusd_epi32(isum, wg, _mm512_set1_epi32(q[g]));
