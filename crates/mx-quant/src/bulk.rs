@@ -99,6 +99,63 @@ pub fn dequantize_with_isa(
     Ok(())
 }
 
+/// [`dequantize`] into IEEE half precision (round to nearest even from the exact f32 values).
+pub fn dequantize_f16(
+    format: ElemFormat,
+    scales: &[u8],
+    packed: &[u8],
+    out: &mut [half::f16],
+) -> Result<(), Error> {
+    dequantize_converted(format, scales, packed, out, |src, dst: &mut [half::f16]| {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src)
+    })
+}
+
+/// [`dequantize`] into bfloat16 (round to nearest even from the exact f32 values).
+pub fn dequantize_bf16(
+    format: ElemFormat,
+    scales: &[u8],
+    packed: &[u8],
+    out: &mut [half::bf16],
+) -> Result<(), Error> {
+    dequantize_converted(
+        format,
+        scales,
+        packed,
+        out,
+        |src, dst: &mut [half::bf16]| {
+            use half::slice::HalfFloatSliceExt;
+            dst.convert_from_f32_slice(src)
+        },
+    )
+}
+
+/// Dequantizes block by block through an L1-resident f32 block, converting each into `out`.
+fn dequantize_converted<T>(
+    format: ElemFormat,
+    scales: &[u8],
+    packed: &[u8],
+    out: &mut [T],
+    convert: impl Fn(&[f32], &mut [T]),
+) -> Result<(), Error> {
+    check_block_multiple(out.len())?;
+    check_len("scales", out.len() / BLOCK, scales.len())?;
+    check_len("packed codes", packed_len(format, out.len()), packed.len())?;
+    let kernels = Kernels::new(Isa::detect())?;
+    let packed_block = packed_len(format, BLOCK);
+    let mut block = [0f32; BLOCK];
+    for ((chunk, &scale), bytes) in out
+        .chunks_exact_mut(BLOCK)
+        .zip(scales)
+        .zip(packed.chunks_exact(packed_block))
+    {
+        kernels.dequantize_block(format, scale, &unpack_block(format, bytes), &mut block);
+        convert(&block, chunk);
+    }
+    Ok(())
+}
+
 /// `input` padded with zeros to a whole number of blocks.
 pub fn pad_to_block(input: &[f32]) -> Vec<f32> {
     let mut v = input.to_vec();

@@ -46,7 +46,9 @@ mod format;
 pub mod gemv;
 mod isa;
 pub mod layout;
+pub mod quality;
 pub mod reference;
+pub mod wgsl;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86;

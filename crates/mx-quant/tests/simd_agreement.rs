@@ -141,3 +141,66 @@ fn every_scale_byte_and_code_decodes_like_the_reference() {
         }
     }
 }
+
+#[test]
+fn half_precision_outputs_round_the_f32_values() {
+    let input = random_blocks(64);
+    for format in ElemFormat::ALL {
+        let mut scales = vec![0u8; input.len() / BLOCK];
+        let mut packed = vec![0u8; packed_len(format, input.len())];
+        bulk::quantize(
+            format,
+            QuantOptions::default(),
+            &input,
+            &mut scales,
+            &mut packed,
+        )
+        .unwrap();
+        let mut f32s = vec![0f32; input.len()];
+        bulk::dequantize(format, &scales, &packed, &mut f32s).unwrap();
+        let mut f16s = vec![half::f16::ZERO; input.len()];
+        bulk::dequantize_f16(format, &scales, &packed, &mut f16s).unwrap();
+        let mut bf16s = vec![half::bf16::ZERO; input.len()];
+        bulk::dequantize_bf16(format, &scales, &packed, &mut bf16s).unwrap();
+        for ((v, h), b) in f32s.iter().zip(&f16s).zip(&bf16s) {
+            let (wh, wb) = (half::f16::from_f32(*v), half::bf16::from_f32(*v));
+            assert!(
+                h.to_bits() == wh.to_bits() || (h.is_nan() && wh.is_nan()),
+                "{format} f16 of {v}"
+            );
+            assert!(
+                b.to_bits() == wb.to_bits() || (b.is_nan() && wb.is_nan()),
+                "{format} bf16 of {v}"
+            );
+        }
+    }
+}
+
+#[test]
+fn unaligned_slices_work() {
+    // Slices that start one element into a buffer: no alignment is assumed anywhere.
+    let backing = random_blocks(9);
+    let input = &backing[1..1 + 8 * BLOCK];
+    for format in ElemFormat::ALL {
+        let mut scales = vec![0u8; 9];
+        let mut packed = vec![0u8; packed_len(format, 8 * BLOCK) + 1];
+        bulk::quantize(
+            format,
+            QuantOptions::default(),
+            input,
+            &mut scales[1..],
+            &mut packed[1..],
+        )
+        .unwrap();
+        let mut out = vec![0f32; 8 * BLOCK + 1];
+        bulk::dequantize(format, &scales[1..], &packed[1..], &mut out[1..]).unwrap();
+        for (b, chunk) in input.chunks_exact(BLOCK).enumerate() {
+            let (s, c) = reference::quantize_block(format, chunk.try_into().unwrap());
+            assert_eq!(s, scales[1 + b], "{format} block {b}");
+            let d = reference::dequantize_block(format, s, &c);
+            for (g, w) in out[1 + b * BLOCK..1 + (b + 1) * BLOCK].iter().zip(&d) {
+                assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()));
+            }
+        }
+    }
+}
