@@ -182,7 +182,7 @@ fn unaligned_slices_work() {
     let backing = random_blocks(9);
     let input = &backing[1..1 + 8 * BLOCK];
     for format in ElemFormat::ALL {
-        let mut scales = vec![0u8; 9];
+        let mut scales = [0u8; 9];
         let mut packed = vec![0u8; packed_len(format, 8 * BLOCK) + 1];
         bulk::quantize(
             format,
