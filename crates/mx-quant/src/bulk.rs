@@ -241,8 +241,12 @@ impl Kernels {
                 let (codes, scales) = m.tile(tile);
                 k.q8_tile(m.format(), map, codes, scales, xs, acc)
             }
-            // AVX2 has no 512-bit VNNI; it runs the portable kernel (auto-vectorised).
-            _ => crate::gemv::q8_tile_scalar(m, map, tile, xs, acc),
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2(k) => {
+                let (codes, scales) = m.tile(tile);
+                k.q8_tile(m.format(), map, codes, scales, xs, acc)
+            }
+            Kernels::Scalar => crate::gemv::q8_tile_scalar(m, map, tile, xs, acc),
         }
     }
 
@@ -260,7 +264,12 @@ impl Kernels {
                 let (codes, scales) = m.tile(tile);
                 k.f32_tile(m.format(), codes, scales, xs, acc)
             }
-            _ => crate::gemv::f32_tile_scalar(m, tile, xs, acc),
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2(k) => {
+                let (codes, scales) = m.tile(tile);
+                k.f32_tile(m.format(), codes, scales, xs, acc)
+            }
+            Kernels::Scalar => crate::gemv::f32_tile_scalar(m, tile, xs, acc),
         }
     }
 }

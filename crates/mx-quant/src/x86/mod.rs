@@ -42,6 +42,31 @@ impl Avx2 {
         // SAFETY: an `Avx2` token exists only when AVX2, FMA and F16C were detected.
         unsafe { avx2::dequantize_block(format, scale, codes, out) }
     }
+
+    pub(crate) fn q8_tile(
+        self,
+        format: ElemFormat,
+        map: &IntMap,
+        codes: &[u8],
+        scales: &[u8],
+        xs: &[&Q8Activations],
+        acc: &mut [[f32; TILE_ROWS]],
+    ) {
+        // SAFETY: an `Avx2` token exists only when AVX2, FMA and F16C were detected.
+        unsafe { avx2::q8_tile(format, map, codes, scales, xs, acc) }
+    }
+
+    pub(crate) fn f32_tile(
+        self,
+        format: ElemFormat,
+        codes: &[u8],
+        scales: &[u8],
+        xs: &[&[f32]],
+        acc: &mut [[f32; TILE_ROWS]],
+    ) {
+        // SAFETY: an `Avx2` token exists only when AVX2, FMA and F16C were detected.
+        unsafe { avx2::f32_tile(format, codes, scales, xs, acc) }
+    }
 }
 
 /// Proof that this CPU has AVX-512 F/BW/VL/VNNI/VBMI on top of AVX2.
