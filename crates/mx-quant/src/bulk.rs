@@ -171,6 +171,8 @@ pub(crate) enum Kernels {
     Avx2(crate::x86::Avx2),
     #[cfg(target_arch = "x86_64")]
     Avx512(crate::x86::Avx512),
+    #[cfg(target_arch = "aarch64")]
+    Neon(crate::aarch64::Neon),
 }
 
 impl Kernels {
@@ -187,7 +189,11 @@ impl Kernels {
             Isa::Avx512 => crate::x86::Avx512::new()
                 .map(Kernels::Avx512)
                 .ok_or(unavailable),
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => crate::aarch64::Neon::new()
+                .map(Kernels::Neon)
+                .ok_or(unavailable),
+            #[allow(unreachable_patterns)]
             _ => Err(unavailable),
         }
     }
@@ -207,6 +213,8 @@ impl Kernels {
             (Kernels::Avx2(k) | Kernels::Avx512(crate::x86::Avx512 { avx2: k }), rule) => {
                 k.quantize_block(format, options.rounding, rule, block)
             }
+            #[cfg(target_arch = "aarch64")]
+            (Kernels::Neon(k), rule) => k.quantize_block(format, options.rounding, rule, block),
         }
     }
 
@@ -223,6 +231,8 @@ impl Kernels {
             Kernels::Avx2(k) | Kernels::Avx512(crate::x86::Avx512 { avx2: k }) => {
                 k.dequantize_block(format, scale, codes, out)
             }
+            #[cfg(target_arch = "aarch64")]
+            Kernels::Neon(k) => k.dequantize_block(format, scale, codes, out),
         }
     }
 
@@ -243,6 +253,11 @@ impl Kernels {
             }
             #[cfg(target_arch = "x86_64")]
             Kernels::Avx2(k) => {
+                let (codes, scales) = m.tile(tile);
+                k.q8_tile(m.format(), map, codes, scales, xs, acc)
+            }
+            #[cfg(target_arch = "aarch64")]
+            Kernels::Neon(k) => {
                 let (codes, scales) = m.tile(tile);
                 k.q8_tile(m.format(), map, codes, scales, xs, acc)
             }
@@ -269,7 +284,9 @@ impl Kernels {
                 let (codes, scales) = m.tile(tile);
                 k.f32_tile(m.format(), codes, scales, xs, acc)
             }
-            Kernels::Scalar => crate::gemv::f32_tile_scalar(m, tile, xs, acc),
+            // NEON has no f32 tile kernel yet: the portable one (auto-vectorised) runs.
+            #[allow(unreachable_patterns)]
+            _ => crate::gemv::f32_tile_scalar(m, tile, xs, acc),
         }
     }
 }

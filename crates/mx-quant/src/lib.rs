@@ -18,7 +18,7 @@
 //! - No hardware dependencies: pure computation, usable anywhere.
 //!
 //! # Unsafe
-//! Only in `x86/mod.rs`: calling a `#[target_feature]` kernel is unsafe, and it happens only in
+//! Only in `x86/mod.rs` and `aarch64/mod.rs`: calling a `#[target_feature]` kernel is unsafe, and it happens only in
 //! methods of a token type that run-time detection alone can create. Loads and stores inside the
 //! kernels go through `bytemuck` casts, so the kernels themselves hold no unsafe code.
 //!
@@ -52,6 +52,10 @@ pub mod wgsl;
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86;
+
+#[cfg(target_arch = "aarch64")]
+#[allow(unsafe_code)]
+mod aarch64;
 
 pub use format::{BLOCK, ElemFormat, QuantOptions, Rounding, SCALE_BIAS, SCALE_NAN, ScaleRule};
 pub use isa::Isa;
