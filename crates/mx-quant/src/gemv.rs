@@ -47,6 +47,9 @@ const _: () = assert!(size_of::<Line>() == 128 && align_of::<Line>() == 128);
 pub(crate) struct IntMap {
     /// `u8` for every code (16, 64 or 256 entries; INT8 uses `code ^ 0x80`).
     pub(crate) table: [u8; 64],
+    /// `table` as a 64-entry byte-permute table indexed by a code's low six bits: for 4-bit
+    /// codes entry `i` is `table[i & 15]`, so a nibble needs no masking before the lookup.
+    pub(crate) permute_table: [u8; 64],
     pub(crate) offset: i32,
     /// `2^-shift`: what one unit of `u` is worth.
     pub(crate) unit: f32,
@@ -68,8 +71,14 @@ impl IntMap {
                 *t = (v as i32 + offset) as u8;
             }
         }
+        let permute_table = if format.bits() == 4 {
+            std::array::from_fn(|i| table[i & 15])
+        } else {
+            table
+        };
         Some(IntMap {
             table,
+            permute_table,
             offset,
             unit: 1.0 / (1 << shift) as f32,
         })

@@ -57,6 +57,11 @@ mod x86;
 #[allow(unsafe_code)]
 mod aarch64;
 
+/// The README's example, compiled and run as a doctest so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
+
 pub use format::{BLOCK, ElemFormat, QuantOptions, Rounding, SCALE_BIAS, SCALE_NAN, ScaleRule};
 pub use isa::Isa;
 

@@ -49,6 +49,17 @@ pub(crate) fn q8_tile(
     }
 }
 
+/// How far ahead of the current tile-block the kernels prefetch.
+const PREFETCH_AHEAD: usize = 2048;
+
+/// A prefetch hint for the line holding `p`, which may point anywhere (a hint never faults).
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: PREFETCHT0 is a hint: it never faults and has no architectural effect, whatever
+    // the address, so any pointer value is sound.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+}
+
 /// [`q8_tile`] for codes of `BITS` bits and a batch of exactly `N` columns.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma")]
 fn q8_tile_n<const BITS: u32, const N: usize>(
@@ -76,6 +87,15 @@ fn q8_tile_n<const BITS: u32, const N: usize>(
     };
     let mut sums = [_mm512_setzero_ps(); N];
     for b in 0..blocks {
+        // Ask for the data PREFETCH_AHEAD bytes on (often the next tile's, which is contiguous)
+        // so a single thread keeps enough misses in flight to stream from DRAM.
+        for line in 0..tb_bytes / 64 {
+            prefetch(
+                codes
+                    .as_ptr()
+                    .wrapping_add(b * tb_bytes + PREFETCH_AHEAD + 64 * line),
+            );
+        }
         let tile: &[[u8; 64]] = bytemuck::cast_slice(&codes[b * tb_bytes..(b + 1) * tb_bytes]);
         let load = |i: usize| -> __m512i { bytemuck::cast(tile[i]) };
         let mut w = [_mm512_setzero_si512(); 8];
