@@ -170,7 +170,9 @@ mod mx {
         let cores = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(2);
-        let cases: &[(bool, ElemFormat, &[(usize, usize)])] = &[
+        // (int8 activations?, weight format, shapes)
+        type Case<'a> = (bool, ElemFormat, &'a [(usize, usize)]);
+        let cases: &[Case<'_>] = &[
             (true, ElemFormat::Fp4E2M1, &SHAPES),
             (true, ElemFormat::Fp6E2M3, &SHAPES),
             (true, ElemFormat::Int8, &SHAPES),
@@ -208,5 +210,185 @@ mod mx {
     }
 }
 
-criterion_group!(benches, bandwidth::bench, mx::quantize, mx::gemv);
+mod sync {
+    //! sync-timeline: cross-thread handoff latency (one signal on one thread releasing a wait on
+    //! another) for the CPU timeline hot (spinning) and parked, a Mutex+Condvar baseline and a
+    //! Vulkan timeline semaphore; and a device-side wait released by a host signal. Criterion
+    //! times ping-pong round trips (two handoffs each); a table of per-handoff median and p99
+    //! from 20k round trips is printed first.
+
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::{Duration, Instant};
+
+    use benches::median_p99;
+    use criterion::Criterion;
+    use sync_timeline::vulkan::{VulkanTimeline, submit_wait_signal};
+    use sync_timeline::{CpuTimeline, SpinPolicy, Timeline};
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    /// A Mutex+Condvar "timeline", the baseline a timeline replaces.
+    #[derive(Debug, Default)]
+    struct CondvarTimeline {
+        value: Mutex<u64>,
+        changed: Condvar,
+    }
+
+    impl Timeline for CondvarTimeline {
+        fn value(&self) -> Result<u64, sync_timeline::Error> {
+            Ok(*self.value.lock().unwrap())
+        }
+        fn signal(&self, value: u64) -> Result<(), sync_timeline::Error> {
+            *self.value.lock().unwrap() = value;
+            self.changed.notify_all();
+            Ok(())
+        }
+        fn wait(&self, value: u64, timeout: Duration) -> Result<(), sync_timeline::Error> {
+            let guard = self.value.lock().unwrap();
+            let (_g, _) = self
+                .changed
+                .wait_timeout_while(guard, timeout, |v| *v < value)
+                .unwrap();
+            Ok(())
+        }
+    }
+
+    fn vulkan_device() -> Option<(wgpu::Device, wgpu::Queue)> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::VULKAN,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        let adapter = pollster::block_on(instance.request_adapter(&Default::default())).ok()?;
+        pollster::block_on(adapter.request_device(&Default::default())).ok()
+    }
+
+    /// `rounds` ping-pong round trips between this thread and a partner; returns each round
+    /// trip's duration. Timelines start at `base` (so they can be reused).
+    fn ping_pong(
+        ping: Arc<dyn Timeline>,
+        pong: Arc<dyn Timeline>,
+        base: u64,
+        rounds: u64,
+    ) -> Vec<Duration> {
+        let (p2, q2) = (Arc::clone(&ping), Arc::clone(&pong));
+        let partner = std::thread::spawn(move || {
+            for i in base + 1..=base + rounds {
+                p2.wait(i, LONG).unwrap();
+                q2.signal(i).unwrap();
+            }
+        });
+        let mut out = Vec::with_capacity(rounds as usize);
+        for i in base + 1..=base + rounds {
+            let t = Instant::now();
+            ping.signal(i).unwrap();
+            pong.wait(i, LONG).unwrap();
+            out.push(t.elapsed());
+        }
+        partner.join().unwrap();
+        out
+    }
+
+    /// A handoff mechanism: its name and the two timelines a ping-pong runs over.
+    type Mechanism = (&'static str, Arc<dyn Timeline>, Arc<dyn Timeline>);
+
+    fn mechanisms(vk: Option<&wgpu::Device>) -> Vec<Mechanism> {
+        let mut m: Vec<Mechanism> = vec![
+            (
+                "cpu-timeline-spin",
+                Arc::new(CpuTimeline::new(0)),
+                Arc::new(CpuTimeline::new(0)),
+            ),
+            (
+                "cpu-timeline-parked",
+                Arc::new(CpuTimeline::with_spin(0, SpinPolicy::Never)),
+                Arc::new(CpuTimeline::with_spin(0, SpinPolicy::Never)),
+            ),
+            (
+                "mutex-condvar",
+                Arc::new(CondvarTimeline::default()),
+                Arc::new(CondvarTimeline::default()),
+            ),
+        ];
+        if let Some(d) = vk {
+            m.push((
+                "vulkan-timeline-host",
+                Arc::new(VulkanTimeline::from_wgpu(d, 0).unwrap()),
+                Arc::new(VulkanTimeline::from_wgpu(d, 0).unwrap()),
+            ));
+        }
+        m
+    }
+
+    pub(crate) fn handoff(c: &mut Criterion) {
+        let gpu = vulkan_device();
+        if gpu.is_none() {
+            eprintln!("sync benches: no Vulkan adapter, the Vulkan rows are left out");
+        }
+        eprintln!("\nhandoff latency, one way (half a round trip), 20000 round trips each:");
+        eprintln!("{:24} {:>10} {:>10}", "mechanism", "median", "p99");
+        for (name, ping, pong) in mechanisms(gpu.as_ref().map(|g| &g.0)) {
+            let mut rt = ping_pong(ping, pong, 0, 20_000);
+            let (median, p99) = median_p99(&mut rt);
+            eprintln!("{name:24} {:>10.2?} {:>10.2?}", median / 2, p99 / 2);
+        }
+        if let Some((device, queue)) = &gpu {
+            let mut lat = device_wait_latency(device, queue, 2000);
+            let (median, p99) = median_p99(&mut lat);
+            eprintln!(
+                "{:24} {:>10.2?} {:>10.2?}",
+                "vulkan-device-wait", median, p99
+            );
+        }
+        let mut group = c.benchmark_group("sync_handoff_round_trip");
+        group
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(2));
+        for (name, ping, pong) in mechanisms(gpu.as_ref().map(|g| &g.0)) {
+            let mut base = 0;
+            group.bench_function(name, |b| {
+                b.iter_custom(|iters| {
+                    let total = ping_pong(Arc::clone(&ping), Arc::clone(&pong), base, iters)
+                        .into_iter()
+                        .sum();
+                    base += iters;
+                    total
+                })
+            });
+        }
+        group.finish();
+    }
+
+    /// Time from a host signal to the completion of a device-side batch that waited on it and
+    /// signalled a second timeline, as seen by a host wait on that second timeline.
+    fn device_wait_latency(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        rounds: u64,
+    ) -> Vec<Duration> {
+        let host = VulkanTimeline::from_wgpu(device, 0).unwrap();
+        let gpu = VulkanTimeline::from_wgpu(device, 0).unwrap();
+        // SAFETY: the bench is the only user of the queue while it submits.
+        let raw = unsafe { queue.as_hal::<wgpu::hal::api::Vulkan>() }
+            .expect("vulkan queue")
+            .as_raw();
+        (1..=rounds)
+            .map(|v| {
+                // SAFETY: exclusive queue use (above); values increase.
+                unsafe { submit_wait_signal(raw, &[(&host, v)], &[(&gpu, v)]) }.unwrap();
+                let t = Instant::now();
+                host.signal(v).unwrap();
+                gpu.wait(v, LONG).unwrap();
+                t.elapsed()
+            })
+            .collect()
+    }
+}
+
+criterion_group!(
+    benches,
+    bandwidth::bench,
+    mx::quantize,
+    mx::gemv,
+    sync::handoff
+);
 criterion_main!(benches);

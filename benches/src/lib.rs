@@ -48,6 +48,15 @@ pub fn read_sum_parallel(words: &[u64], threads: usize) -> u64 {
     })
 }
 
+/// Median and 99th percentile of `samples` (sorted in place).
+pub fn median_p99(
+    samples: &mut [std::time::Duration],
+) -> (std::time::Duration, std::time::Duration) {
+    samples.sort_unstable();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,209 @@
+//! Vulkan timeline semaphores (feature `vulkan`): the same contract, kept by the driver.
+//!
+//! The host signals (`vkSignalSemaphore`), waits (`vkWaitSemaphores`) and reads
+//! (`vkGetSemaphoreCounterValue`); queue submissions wait on and signal values on the device
+//! ([`submit_wait_signal`]). A submission may wait on a value nobody has signalled yet, which is
+//! what lets a GPU stage be queued before the CPU stage it depends on has finished: the CPU
+//! stage's host signal releases it, with no thread in between.
+//!
+//! The semaphore borrows a `VkDevice` it does not own, so [`VulkanTimeline::new`] is `unsafe`
+//! and takes an `owner` (a `wgpu::Device` clone, say) that keeps the device alive as long as the
+//! timeline. [`VulkanTimeline::from_wgpu`] does this for a wgpu device on the Vulkan backend, so
+//! wgpu and raw Vulkan share one device.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ash::vk;
+
+use crate::{Backend, Error, Timeline, VkResult};
+
+/// A Vulkan timeline semaphore.
+pub struct VulkanTimeline {
+    // Drop order: `Drop::drop` destroys the semaphore first; `owner`, which keeps the device
+    // alive, is dropped after it.
+    device: ash::Device,
+    semaphore: vk::Semaphore,
+    /// Host signals are serialised: two racing `vkSignalSemaphore` calls could reach the driver
+    /// out of order, and a signal below the current value is invalid usage.
+    host_signal: Mutex<()>,
+    owner: Arc<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for VulkanTimeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VulkanTimeline")
+            .field("semaphore", &self.semaphore)
+            .finish_non_exhaustive()
+    }
+}
+
+fn vk_err(call: &'static str) -> impl Fn(vk::Result) -> Error {
+    move |r| Error::Vulkan {
+        call,
+        result: VkResult(r.as_raw()),
+    }
+}
+
+impl VulkanTimeline {
+    /// Creates a timeline semaphore at `initial` on `device`.
+    ///
+    /// # Safety
+    /// - `device` is a valid `VkDevice` created with the `timelineSemaphore` feature (core in
+    ///   Vulkan 1.2), and stays valid for as long as `owner` is alive;
+    /// - no queue still uses the semaphore when the timeline is dropped.
+    pub unsafe fn new(
+        device: ash::Device,
+        owner: Arc<dyn Any + Send + Sync>,
+        initial: u64,
+    ) -> Result<VulkanTimeline, Error> {
+        let mut type_info = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(initial);
+        let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
+        // SAFETY: the caller guarantees `device` is valid with timeline semaphores enabled; the
+        // create info is a valid chain built above.
+        let semaphore =
+            unsafe { device.create_semaphore(&info, None) }.map_err(vk_err("vkCreateSemaphore"))?;
+        Ok(VulkanTimeline {
+            device,
+            semaphore,
+            host_signal: Mutex::new(()),
+            owner,
+        })
+    }
+
+    /// A timeline on the Vulkan device under `device` (which must run on wgpu's Vulkan backend).
+    /// Feature `wgpu`.
+    /// The timeline keeps a clone of `device`, so the `VkDevice` outlives it.
+    #[cfg(feature = "wgpu")]
+    pub fn from_wgpu(device: &wgpu::Device, initial: u64) -> Result<VulkanTimeline, Error> {
+        // SAFETY: `as_hal` only borrows the hal device; we clone the ash function table, whose
+        // handle stays valid while a clone of the wgpu device (stored as `owner`) is alive.
+        let raw = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }
+            .map(|hal| hal.raw_device().clone())
+            .ok_or_else(|| Error::Unsupported {
+                what: "Vulkan timeline on a wgpu device",
+                why: "the device does not run on wgpu's Vulkan backend".into(),
+            })?;
+        // SAFETY: wgpu-hal enables timeline semaphores on every Vulkan device it creates (it
+        // uses them for its own fences); the owner below keeps the device alive.
+        unsafe { VulkanTimeline::new(raw, Arc::new(device.clone()), initial) }
+    }
+
+    /// The raw semaphore, for submissions made elsewhere.
+    pub fn semaphore(&self) -> vk::Semaphore {
+        self.semaphore
+    }
+
+    /// The device the semaphore lives on.
+    pub fn device(&self) -> &ash::Device {
+        &self.device
+    }
+
+    /// Whatever keeps the device alive (for types that build on this one).
+    pub fn owner(&self) -> &Arc<dyn Any + Send + Sync> {
+        &self.owner
+    }
+}
+
+impl Drop for VulkanTimeline {
+    fn drop(&mut self) {
+        // SAFETY: the semaphore was created on this device, the device is alive (`owner` is
+        // dropped after this), and `new`'s contract says no queue still uses it.
+        unsafe { self.device.destroy_semaphore(self.semaphore, None) }
+    }
+}
+
+impl Timeline for VulkanTimeline {
+    fn value(&self) -> Result<u64, Error> {
+        // SAFETY: a valid timeline semaphore of this device.
+        unsafe { self.device.get_semaphore_counter_value(self.semaphore) }
+            .map_err(vk_err("vkGetSemaphoreCounterValue"))
+    }
+
+    fn signal(&self, value: u64) -> Result<(), Error> {
+        let _serial = self.host_signal.lock().unwrap_or_else(|p| p.into_inner());
+        let current = self.value()?;
+        if value < current {
+            return Err(Error::Backwards {
+                current,
+                requested: value,
+            });
+        }
+        if value == current {
+            return Ok(());
+        }
+        let info = vk::SemaphoreSignalInfo::default()
+            .semaphore(self.semaphore)
+            .value(value);
+        // SAFETY: a valid semaphore; the value is greater than the current one and, host
+        // signals being serialised, than any earlier host signal. (A device signal racing past
+        // it would be the submitter's invalid usage, as with any Vulkan timeline.)
+        unsafe { self.device.signal_semaphore(&info) }.map_err(vk_err("vkSignalSemaphore"))
+    }
+
+    fn wait(&self, value: u64, timeout: Duration) -> Result<(), Error> {
+        let semaphores = [self.semaphore];
+        let values = [value];
+        let info = vk::SemaphoreWaitInfo::default()
+            .semaphores(&semaphores)
+            .values(&values);
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+        // SAFETY: a valid semaphore and arrays of equal length that outlive the call.
+        match unsafe { self.device.wait_semaphores(&info, ns) } {
+            Ok(()) => Ok(()),
+            Err(vk::Result::TIMEOUT) => Err(Error::Timeout {
+                wanted: value,
+                reached: self.value()?,
+                timeout,
+            }),
+            Err(e) => Err(vk_err("vkWaitSemaphores")(e)),
+        }
+    }
+
+    fn backend(&self) -> Backend<'_> {
+        Backend::Vulkan(self)
+    }
+}
+
+/// Submits to `queue` a batch with no work that waits for every `(timeline, value)` in `waits`
+/// and then signals every one in `signals`: a device-side handoff between timelines.
+///
+/// # Safety
+/// - `queue` is a queue of the timelines' device, and no other thread submits to it (or uses it
+///   otherwise) during the call: Vulkan requires queue access to be externally synchronised;
+/// - the signalled values are greater than the timelines' values when the batch executes.
+pub unsafe fn submit_wait_signal(
+    queue: vk::Queue,
+    waits: &[(&VulkanTimeline, u64)],
+    signals: &[(&VulkanTimeline, u64)],
+) -> Result<(), Error> {
+    let Some((first, _)) = waits.first().or(signals.first()) else {
+        return Err(Error::BadArgument {
+            what: "a submission needs a wait or a signal",
+        });
+    };
+    let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|(t, _)| t.semaphore).collect();
+    let wait_vals: Vec<u64> = waits.iter().map(|(_, v)| *v).collect();
+    let stages = vec![vk::PipelineStageFlags::ALL_COMMANDS; waits.len()];
+    let signal_sems: Vec<vk::Semaphore> = signals.iter().map(|(t, _)| t.semaphore).collect();
+    let signal_vals: Vec<u64> = signals.iter().map(|(_, v)| *v).collect();
+    let mut timeline_info = vk::TimelineSemaphoreSubmitInfo::default()
+        .wait_semaphore_values(&wait_vals)
+        .signal_semaphore_values(&signal_vals);
+    let submit = vk::SubmitInfo::default()
+        .wait_semaphores(&wait_sems)
+        .wait_dst_stage_mask(&stages)
+        .signal_semaphores(&signal_sems)
+        .push_next(&mut timeline_info);
+    // SAFETY: the caller guarantees exclusive use of a queue of this device and increasing
+    // signal values; every array lives until the call returns.
+    unsafe {
+        first
+            .device
+            .queue_submit(queue, &[submit], vk::Fence::null())
+    }
+    .map_err(vk_err("vkQueueSubmit"))
+}
