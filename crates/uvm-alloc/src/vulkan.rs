@@ -1,0 +1,384 @@
+//! Import into Vulkan and wgpu over the same memory (features `vulkan` and `wgpu`).
+//!
+//! A dma-buf is imported as a dma-buf fd (`VK_EXT_external_memory_dma_buf`); memfd and host
+//! buffers by address (`VK_EXT_external_memory_host`), which on a unified-memory GPU (lavapipe,
+//! SoC GPUs) means the shader reads and writes the very pages the CPU mapped. Opaque fds are
+//! only meaningful for memory a Vulkan driver exported itself, so buffers made here never take
+//! that path; [`ImportPath::OpaqueFd`] exists for callers that hold such memory.
+//!
+//! wgpu does not enable those extensions on its own, so [`open_wgpu_device`] opens the wgpu
+//! device through wgpu-hal with them added; wgpu and raw Vulkan then share one `VkDevice`.
+//! [`import_wgpu_buffer`] wraps the imported `VkBuffer` as a `wgpu::Buffer` whose drop releases
+//! the Vulkan objects and, last, the [`UnifiedBuffer`] it keeps alive.
+//!
+//! Host visibility: a fence or queue wait makes device writes available, not visible to the
+//! host; [`host_read_barrier`] is the memory barrier (shader write -> host read) that a CPU
+//! read of the original mapping needs, on every driver, even where lavapipe would forgive its
+//! absence.
+
+use std::ffi::CStr;
+use std::sync::Arc;
+
+use ash::vk;
+
+use crate::{Error, UnifiedBuffer};
+
+/// How a buffer reached Vulkan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImportPath {
+    /// `VK_EXT_external_memory_dma_buf`: the dma-buf fd itself.
+    DmaBuf,
+    /// `VK_KHR_external_memory_fd` opaque fd: memory exported by a Vulkan driver.
+    OpaqueFd,
+    /// `VK_EXT_external_memory_host`: the CPU mapping's address.
+    HostPointer,
+}
+
+/// Which imports a device opened by [`open_wgpu_device`] supports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImportCaps {
+    pub dma_buf: bool,
+    pub opaque_fd: bool,
+    pub host_pointer: bool,
+    /// `minImportedHostPointerAlignment`: address and size of host imports must be multiples.
+    pub host_pointer_alignment: u64,
+}
+
+const EXT_HOST: &CStr = ash::ext::external_memory_host::NAME;
+const KHR_FD: &CStr = ash::khr::external_memory_fd::NAME;
+const EXT_DMA_BUF: &CStr = ash::ext::external_memory_dma_buf::NAME;
+
+fn vk_error(call: &str) -> impl Fn(vk::Result) -> Error + '_ {
+    move |r| Error::Vulkan(format!("{call} failed: {r}"))
+}
+
+/// Opens a wgpu device on `adapter` (Vulkan backend) with the external-memory extensions the
+/// adapter offers added, and reports which imports it can do.
+pub fn open_wgpu_device(
+    adapter: &wgpu::Adapter,
+    desc: &wgpu::DeviceDescriptor<'_>,
+) -> Result<(wgpu::Device, wgpu::Queue, ImportCaps), Error> {
+    // SAFETY: the hal adapter is only borrowed for the duration of this function.
+    let hal_adapter = unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }
+        .ok_or_else(|| Error::Vulkan("the adapter does not run on wgpu's Vulkan backend".into()))?;
+    let wanted: Vec<&'static CStr> = [EXT_HOST, KHR_FD, EXT_DMA_BUF]
+        .into_iter()
+        .filter(|e| {
+            hal_adapter
+                .physical_device_capabilities()
+                .supports_extension(e)
+        })
+        .collect();
+    let caps_has = |e: &CStr| wanted.contains(&e);
+    let host_pointer_alignment = if caps_has(EXT_HOST) {
+        let instance = hal_adapter.shared_instance().raw_instance();
+        let mut host_props = vk::PhysicalDeviceExternalMemoryHostPropertiesEXT::default();
+        let mut props = vk::PhysicalDeviceProperties2::default().push_next(&mut host_props);
+        // SAFETY: a valid physical device of this instance; the chain is built above.
+        unsafe {
+            instance.get_physical_device_properties2(hal_adapter.raw_physical_device(), &mut props)
+        };
+        host_props.min_imported_host_pointer_alignment
+    } else {
+        0
+    };
+    let caps = ImportCaps {
+        dma_buf: caps_has(EXT_DMA_BUF) && caps_has(KHR_FD),
+        opaque_fd: caps_has(KHR_FD),
+        host_pointer: caps_has(EXT_HOST),
+        host_pointer_alignment,
+    };
+    let extra = wanted.clone();
+    let callback = Box::new(
+        move |args: wgpu::hal::vulkan::CreateDeviceCallbackArgs<'_, '_, '_>| {
+            for e in extra {
+                if !args.extensions.contains(&e) {
+                    args.extensions.push(e);
+                }
+            }
+        },
+    );
+    // SAFETY: the callback only adds extensions the adapter reports; features, limits and
+    // hints are the caller's, as `request_device` would pass them.
+    let open = unsafe {
+        hal_adapter.open_with_callback(
+            desc.required_features,
+            &desc.required_limits,
+            &desc.memory_hints,
+            Some(callback),
+        )
+    }
+    .map_err(|e| Error::Vulkan(format!("opening the device: {e}")))?;
+    drop(hal_adapter);
+    // SAFETY: `open` was created from this adapter's hal adapter just above.
+    let (device, queue) = unsafe { adapter.create_device_from_hal(open, desc) }
+        .map_err(|e| Error::Vulkan(format!("wrapping the device: {e}")))?;
+    Ok((device, queue, caps))
+}
+
+/// A wgpu buffer over a [`UnifiedBuffer`]'s memory.
+#[derive(Debug)]
+pub struct ImportedBuffer {
+    pub buffer: wgpu::Buffer,
+    pub path: ImportPath,
+    /// Whether the memory type is `HOST_COHERENT` (else reads after device writes also need an
+    /// invalidate of the range).
+    pub host_coherent: bool,
+}
+
+/// Imports `source` (its whole mapped length) into `device` as a wgpu buffer with `usage`.
+/// The wgpu buffer keeps `source` alive; drop every wgpu use of it before expecting the memory
+/// back. `device` must come from [`open_wgpu_device`], whose `caps` are passed in.
+pub fn import_wgpu_buffer(
+    device: &wgpu::Device,
+    caps: &ImportCaps,
+    source: Arc<UnifiedBuffer>,
+    usage: wgpu::BufferUsages,
+    label: Option<&str>,
+) -> Result<ImportedBuffer, Error> {
+    // SAFETY: the hal device is only borrowed while the Vulkan objects are created.
+    let hal_device = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }
+        .ok_or_else(|| Error::Vulkan("the device does not run on wgpu's Vulkan backend".into()))?;
+    let raw = hal_device.raw_device().clone();
+    let instance = hal_device.shared_instance().raw_instance().clone();
+    let physical = hal_device.raw_physical_device();
+    drop(hal_device);
+    let size = source.mapped_len() as u64;
+    let path = if source.is_dma_buf() && caps.dma_buf {
+        ImportPath::DmaBuf
+    } else if caps.host_pointer && !source.is_dma_buf() {
+        ImportPath::HostPointer
+    } else {
+        return Err(Error::Vulkan(format!(
+            "no import path for a {:?} buffer: dma-buf import {}, host-pointer import {}",
+            source.backend(),
+            if caps.dma_buf {
+                "available"
+            } else {
+                "missing (VK_EXT_external_memory_dma_buf)"
+            },
+            if caps.host_pointer {
+                "available"
+            } else {
+                "missing (VK_EXT_external_memory_host)"
+            },
+        )));
+    };
+    let handle_type = match path {
+        ImportPath::DmaBuf => vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT,
+        ImportPath::HostPointer => vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT,
+        ImportPath::OpaqueFd => vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD,
+    };
+    if path == ImportPath::HostPointer
+        && (caps.host_pointer_alignment == 0
+            || !size.is_multiple_of(caps.host_pointer_alignment)
+            || !(source.as_ptr() as u64).is_multiple_of(caps.host_pointer_alignment))
+    {
+        return Err(Error::Vulkan(format!(
+            "host import needs address and size aligned to {} bytes; allocate with that alignment",
+            caps.host_pointer_alignment
+        )));
+    }
+
+    // Which memory types can hold the import.
+    let import_types = match path {
+        ImportPath::HostPointer => {
+            let ext = ash::ext::external_memory_host::Device::new(&instance, &raw);
+            let mut props = vk::MemoryHostPointerPropertiesEXT::default();
+            let query = ext.fp().get_memory_host_pointer_properties_ext;
+            // SAFETY: the function pointer was loaded for this device; the pointer is the start
+            // of a live host mapping owned by `source`; `props` is a valid output struct.
+            unsafe {
+                query(
+                    ext.device(),
+                    handle_type,
+                    source.as_ptr().cast(),
+                    &mut props,
+                )
+            }
+            .result()
+            .map_err(vk_error("vkGetMemoryHostPointerPropertiesEXT"))?;
+            props.memory_type_bits
+        }
+        _ => {
+            let fd = source.fd().expect("dma-bufs have an fd");
+            let ext = ash::khr::external_memory_fd::Device::new(&instance, &raw);
+            let mut props = vk::MemoryFdPropertiesKHR::default();
+            use std::os::fd::AsRawFd;
+            // SAFETY: a valid open dma-buf fd, only inspected.
+            unsafe { ext.get_memory_fd_properties(handle_type, fd.as_raw_fd(), &mut props) }
+                .map_err(vk_error("vkGetMemoryFdPropertiesKHR"))?;
+            props.memory_type_bits
+        }
+    };
+
+    let mut external = vk::ExternalMemoryBufferCreateInfo::default().handle_types(handle_type);
+    let buffer_info = vk::BufferCreateInfo::default()
+        .size(size)
+        .usage(
+            vk::BufferUsageFlags::STORAGE_BUFFER
+                | vk::BufferUsageFlags::TRANSFER_SRC
+                | vk::BufferUsageFlags::TRANSFER_DST
+                | vk::BufferUsageFlags::UNIFORM_BUFFER,
+        )
+        .sharing_mode(vk::SharingMode::EXCLUSIVE)
+        .push_next(&mut external);
+    // SAFETY: a valid device and create info.
+    let vk_buffer =
+        unsafe { raw.create_buffer(&buffer_info, None) }.map_err(vk_error("vkCreateBuffer"))?;
+    // From here on, failures must destroy what was created.
+    let cleanup_buffer = |raw: &ash::Device| {
+        // SAFETY: the buffer was created above and is not in use.
+        unsafe { raw.destroy_buffer(vk_buffer, None) }
+    };
+    // SAFETY: a valid buffer of this device.
+    let reqs = unsafe { raw.get_buffer_memory_requirements(vk_buffer) };
+    // SAFETY: a valid physical device of this instance.
+    let mem_props = unsafe { instance.get_physical_device_memory_properties(physical) };
+    let candidates = reqs.memory_type_bits & import_types;
+    let Some(type_index) = (0..mem_props.memory_type_count).find(|&i| {
+        candidates & (1 << i) != 0
+            && mem_props.memory_types[i as usize]
+                .property_flags
+                .contains(vk::MemoryPropertyFlags::HOST_VISIBLE)
+    }) else {
+        cleanup_buffer(&raw);
+        return Err(Error::Vulkan(format!(
+            "no host-visible memory type accepts this import (buffer types {:#x}, import types {:#x})",
+            reqs.memory_type_bits, import_types
+        )));
+    };
+    let host_coherent = mem_props.memory_types[type_index as usize]
+        .property_flags
+        .contains(vk::MemoryPropertyFlags::HOST_COHERENT);
+
+    let memory = match path {
+        ImportPath::HostPointer => {
+            let mut import = vk::ImportMemoryHostPointerInfoEXT::default()
+                .handle_type(handle_type)
+                .host_pointer(source.as_ptr().cast());
+            let info = vk::MemoryAllocateInfo::default()
+                .allocation_size(size)
+                .memory_type_index(type_index)
+                .push_next(&mut import);
+            // SAFETY: the pointer and size are aligned (checked above) and cover the live
+            // mapping owned by `source`, which the wgpu buffer keeps alive until the memory is
+            // freed in its drop callback.
+            unsafe { raw.allocate_memory(&info, None) }
+        }
+        _ => {
+            // Vulkan takes ownership of the fd on success, so import a duplicate.
+            let fd = source.fd().expect("dma-bufs have an fd");
+            let dup = rustix::io::fcntl_dupfd_cloexec(fd, 0).map_err(|e| {
+                cleanup_buffer(&raw);
+                Error::Vulkan(format!("dup(dma-buf) failed: {e}"))
+            })?;
+            use std::os::fd::IntoRawFd;
+            let raw_fd = dup.into_raw_fd();
+            let mut import = vk::ImportMemoryFdInfoKHR::default()
+                .handle_type(handle_type)
+                .fd(raw_fd);
+            let info = vk::MemoryAllocateInfo::default()
+                .allocation_size(size)
+                .memory_type_index(type_index)
+                .push_next(&mut import);
+            // SAFETY: `raw_fd` is a dma-buf of `size` bytes that Vulkan now owns on success.
+            let result = unsafe { raw.allocate_memory(&info, None) };
+            if result.is_err() {
+                use std::os::fd::FromRawFd;
+                // SAFETY: on failure Vulkan did not take the fd; we still own it.
+                drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw_fd) });
+            }
+            result
+        }
+    }
+    .map_err(|e| {
+        cleanup_buffer(&raw);
+        vk_error("vkAllocateMemory(import)")(e)
+    })?;
+    // SAFETY: buffer and memory of this device; the memory type was chosen from the buffer's
+    // requirements and the import size is the buffer size.
+    if let Err(e) = unsafe { raw.bind_buffer_memory(vk_buffer, memory, 0) } {
+        cleanup_buffer(&raw);
+        // SAFETY: the memory was allocated above and is bound to nothing.
+        unsafe { raw.free_memory(memory, None) };
+        return Err(vk_error("vkBindBufferMemory")(e));
+    }
+
+    let device_for_drop = raw.clone();
+    let keep_alive = Arc::clone(&source);
+    let on_drop: wgpu::hal::DropCallback = Box::new(move || {
+        // SAFETY: wgpu calls this once, after its last use of the buffer; the buffer and memory
+        // are ours, and `keep_alive` (dropped last) keeps the imported pages valid until then.
+        unsafe {
+            device_for_drop.destroy_buffer(vk_buffer, None);
+        }
+        // SAFETY: as above; the buffer bound to the memory is destroyed.
+        unsafe { device_for_drop.free_memory(memory, None) };
+        drop(keep_alive);
+    });
+    // SAFETY: the buffer outlives the hal buffer (destroyed in its drop callback), and imported
+    // memory is never mapped by wgpu (the CPU uses `source`'s mapping).
+    let hal_buffer =
+        unsafe { wgpu::hal::vulkan::Buffer::from_raw_externally_owned(vk_buffer, on_drop) };
+    let desc = wgpu::BufferDescriptor {
+        label,
+        size,
+        usage,
+        mapped_at_creation: false,
+    };
+    // SAFETY: `hal_buffer` was created on this device's `VkDevice` with usages covering every
+    // wgpu usage allowed here (storage, uniform, copies), and its size is `size`.
+    let buffer =
+        unsafe { device.create_buffer_from_hal::<wgpu::hal::api::Vulkan>(hal_buffer, &desc) };
+    Ok(ImportedBuffer {
+        buffer,
+        path,
+        host_coherent,
+    })
+}
+
+/// A command buffer holding only the memory barrier that makes compute-shader and transfer
+/// writes visible to host reads (`SHADER_WRITE | TRANSFER_WRITE` -> `HOST_READ`). Submit it
+/// after the work, in the same `queue.submit`, before a CPU reads an imported buffer's original
+/// mapping. (It is its own command buffer because wgpu does not mix raw and wgpu commands in
+/// one encoder; a barrier orders everything earlier in submission order.)
+pub fn host_read_barrier(device: &wgpu::Device) -> Result<wgpu::CommandBuffer, Error> {
+    // SAFETY: only the raw device handle is read.
+    let raw = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }
+        .map(|d| d.raw_device().clone())
+        .ok_or_else(|| Error::Vulkan("the device does not run on wgpu's Vulkan backend".into()))?;
+    let barrier = vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+        .dst_access_mask(vk::AccessFlags::HOST_READ);
+    let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+        label: Some("host-read barrier"),
+    });
+    let record = |hal: Option<&mut wgpu::hal::vulkan::CommandEncoder>| {
+        let Some(hal) = hal else { return false };
+        // SAFETY: the handle is only used to record into while the encoder is open.
+        let cb = unsafe { hal.raw_handle() };
+        // SAFETY: the command buffer is recording (the encoder is open) on this device, and the
+        // barrier array lives for the call.
+        unsafe {
+            raw.cmd_pipeline_barrier(
+                cb,
+                vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::HOST,
+                vk::DependencyFlags::empty(),
+                &[barrier],
+                &[],
+                &[],
+            )
+        };
+        true
+    };
+    // SAFETY: `record` records one barrier into the encoder's open command buffer, does not end
+    // it, and touches nothing wgpu tracks (a global memory barrier names no resource).
+    let recorded = unsafe { encoder.as_hal_mut::<wgpu::hal::api::Vulkan, _, _>(record) };
+    if recorded {
+        Ok(encoder.finish())
+    } else {
+        Err(Error::Vulkan("the encoder is not a Vulkan encoder".into()))
+    }
+}
