@@ -23,7 +23,8 @@
 //! A CPU stage waits on a GPU value by waiting on the Vulkan timeline itself (the host wait is
 //! the driver's); a GPU submission waits on a CPU stage by waiting on a Vulkan timeline value
 //! that the CPU stage signals from the host when it finishes (timeline semaphores allow the wait
-//! to be submitted before the signal). No thread sits in between. [`chain`] runs stages that
+//! to be submitted before the signal): [`bridge::Fanout`] makes one signal reach both. No thread
+//! sits in between. [`chain`] runs stages that
 //! each wait on `(timeline, v)`, work, and signal `(own timeline, v)`; workers block only in
 //! timeline waits.
 //!
@@ -37,6 +38,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod bridge;
 pub mod chain;
 mod cpu;
 #[cfg(feature = "drm")]

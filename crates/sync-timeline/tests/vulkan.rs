@@ -111,3 +111,26 @@ fn wait_any_and_all_across_backends() {
     wait_all(&points, Duration::from_secs(10)).unwrap();
     signaller.join().unwrap();
 }
+
+#[test]
+fn a_cpu_stage_releases_a_queued_gpu_stage_through_a_fanout() {
+    let Some((device, queue)) = device() else {
+        return;
+    };
+    let cpu = Arc::new(CpuTimeline::new(0));
+    let vk_in = Arc::new(VulkanTimeline::from_wgpu(&device, 0).unwrap());
+    let vk_out = VulkanTimeline::from_wgpu(&device, 0).unwrap();
+    let stage = sync_timeline::bridge::Fanout {
+        primary: cpu.clone(),
+        mirrors: vec![vk_in.clone()],
+    };
+    // SAFETY: this test is the only user of the queue while it submits.
+    let raw_queue = unsafe { queue.as_hal::<wgpu::hal::api::Vulkan>() }
+        .expect("vulkan queue")
+        .as_raw();
+    // SAFETY: exclusive queue use; vk_out's values increase.
+    unsafe { submit_wait_signal(raw_queue, &[(&vk_in, 1)], &[(&vk_out, 1)]) }.unwrap();
+    stage.signal(1).unwrap();
+    vk_out.wait(1, Duration::from_secs(10)).unwrap();
+    assert_eq!(cpu.value().unwrap(), 1);
+}
