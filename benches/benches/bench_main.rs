@@ -62,46 +62,59 @@ mod mx {
             .collect()
     }
 
-    pub(crate) fn quantize(c: &mut Criterion) {
-        let (cols, rows) = (4096, 4096);
-        let input = data(rows * cols);
-        let mut group = c.benchmark_group("mx_quantize");
-        group
-            .sample_size(10)
-            .measurement_time(Duration::from_secs(3));
-        group.throughput(Throughput::Bytes((input.len() * 4) as u64));
-        for format in [
+    /// Every format on 4096x4096, and FP4 and INT8 on every shape.
+    fn quant_cases() -> Vec<(ElemFormat, (usize, usize))> {
+        let mut cases: Vec<_> = [
             ElemFormat::Fp4E2M1,
             ElemFormat::Fp6E2M3,
             ElemFormat::Fp8E4M3,
             ElemFormat::Int8,
-        ] {
+        ]
+        .into_iter()
+        .map(|f| (f, (4096, 4096)))
+        .collect();
+        for format in [ElemFormat::Fp4E2M1, ElemFormat::Int8] {
+            for shape in SHAPES {
+                if shape != (4096, 4096) {
+                    cases.push((format, shape));
+                }
+            }
+        }
+        cases
+    }
+
+    pub(crate) fn quantize(c: &mut Criterion) {
+        let mut group = c.benchmark_group("mx_quantize");
+        group
+            .sample_size(10)
+            .measurement_time(Duration::from_secs(2));
+        for (format, (cols, rows)) in quant_cases() {
+            let input = data(rows * cols);
             let mut scales = vec![0u8; input.len() / 32];
             let mut packed = vec![0u8; packed_len(format, input.len())];
-            group.bench_function(BenchmarkId::new(format.name(), "4096x4096"), |b| {
-                b.iter(|| {
-                    bulk::quantize(
-                        format,
-                        QuantOptions::default(),
-                        black_box(&input),
-                        &mut scales,
-                        &mut packed,
-                    )
-                })
-            });
+            group.throughput(Throughput::Bytes((input.len() * 4) as u64));
+            group.bench_function(
+                BenchmarkId::new(format.name(), format!("{cols}x{rows}")),
+                |b| {
+                    b.iter(|| {
+                        bulk::quantize(
+                            format,
+                            QuantOptions::default(),
+                            black_box(&input),
+                            &mut scales,
+                            &mut packed,
+                        )
+                    })
+                },
+            );
         }
         group.finish();
         let mut group = c.benchmark_group("mx_dequantize");
         group
             .sample_size(10)
-            .measurement_time(Duration::from_secs(3));
-        group.throughput(Throughput::Bytes((input.len() * 4) as u64));
-        for format in [
-            ElemFormat::Fp4E2M1,
-            ElemFormat::Fp6E2M3,
-            ElemFormat::Fp8E4M3,
-            ElemFormat::Int8,
-        ] {
+            .measurement_time(Duration::from_secs(2));
+        for (format, (cols, rows)) in quant_cases() {
+            let input = data(rows * cols);
             let mut scales = vec![0u8; input.len() / 32];
             let mut packed = vec![0u8; packed_len(format, input.len())];
             bulk::quantize(
@@ -113,11 +126,15 @@ mod mx {
             )
             .unwrap();
             let mut out = vec![0f32; input.len()];
-            group.bench_function(BenchmarkId::new(format.name(), "4096x4096"), |b| {
-                b.iter(|| {
-                    bulk::dequantize(format, black_box(&scales), black_box(&packed), &mut out)
-                })
-            });
+            group.throughput(Throughput::Bytes((input.len() * 4) as u64));
+            group.bench_function(
+                BenchmarkId::new(format.name(), format!("{cols}x{rows}")),
+                |b| {
+                    b.iter(|| {
+                        bulk::dequantize(format, black_box(&scales), black_box(&packed), &mut out)
+                    })
+                },
+            );
         }
         group.finish();
     }

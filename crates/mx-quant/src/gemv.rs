@@ -592,20 +592,47 @@ pub fn gemv_parallel_q8(
     threads: usize,
 ) -> Result<(), Error> {
     let isa = Isa::detect();
+    split_rows(m, y, threads, |rows, span| {
+        m.gemm_q8(isa, &[x], &mut [rows], span)
+    })
+}
+
+/// [`gemv_parallel_q8`] with f32 activations ([`MxMatrix::gemm_f32`]).
+pub fn gemv_parallel_f32(
+    m: &MxMatrix,
+    x: &[f32],
+    y: &mut [f32],
+    threads: usize,
+) -> Result<(), Error> {
+    let isa = Isa::detect();
+    split_rows(m, y, threads, |rows, span| {
+        m.gemm_f32(isa, &[x], &mut [rows], span)
+    })
+}
+
+/// Runs `gemv(rows, tiles)` over `threads` contiguous shares of `m`'s row tiles, each writing its
+/// own slice of `y`.
+fn split_rows(
+    m: &MxMatrix,
+    y: &mut [f32],
+    threads: usize,
+    gemv: impl Fn(&mut [f32], std::ops::Range<usize>) -> Result<(), Error> + Sync,
+) -> Result<(), Error> {
+    check_len("output vector", m.rows, y.len())?;
     let tiles = m.tiles();
     let threads = threads.clamp(1, tiles.max(1));
     if threads == 1 {
-        return m.gemm_q8(isa, &[x], &mut [y], 0..tiles);
+        return gemv(y, 0..tiles);
     }
-    check_len("output vector", m.rows, y.len())?;
     let per = tiles.div_ceil(threads);
+    let gemv = &gemv;
     std::thread::scope(|s| {
         let handles: Vec<_> = y
             .chunks_mut(per * TILE_ROWS)
             .enumerate()
             .map(|(i, rows)| {
                 let span = i * per..((i + 1) * per).min(tiles);
-                s.spawn(move || m.gemm_q8(isa, &[x], &mut [rows], span))
+                s.spawn(move || gemv(rows, span))
             })
             .collect();
         handles

@@ -1,7 +1,7 @@
 //! GEMV/GEMM over the tiled layout: against an f64 reference, across instruction sets (bitwise),
 //! across thread splits and batch sizes (bitwise), and through the GGUF `block_mxfp4` loader.
 
-use mx_quant::gemv::{MxMatrix, Q8Activations, TILE_ROWS, gemv_parallel_q8};
+use mx_quant::gemv::{MxMatrix, Q8Activations, TILE_ROWS, gemv_parallel_f32, gemv_parallel_q8};
 use mx_quant::layout::{BlockMxfp4, packed_len};
 use mx_quant::{BLOCK, ElemFormat, Isa, QuantOptions, bulk};
 
@@ -200,10 +200,16 @@ fn threads_and_batches_do_not_change_results() {
         m.gemm_q8(Isa::detect(), &refs, &mut views, range).unwrap();
     }
     assert_eq!(ys, single);
+    let xf = test_matrix(1, cols, 10);
+    let mut f32_single = vec![0f32; rows];
+    m.gemm_f32(Isa::detect(), &[&xf], &mut [&mut f32_single], 0..m.tiles())
+        .unwrap();
     for threads in [2, 3, 16] {
         let mut y = vec![0f32; rows];
         gemv_parallel_q8(&m, &xs[0], &mut y, threads).unwrap();
         assert_eq!(y, single[0], "{threads} threads");
+        gemv_parallel_f32(&m, &xf, &mut y, threads).unwrap();
+        assert_eq!(y, f32_single, "{threads} threads, f32 path");
     }
 }
 

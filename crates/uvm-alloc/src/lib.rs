@@ -42,6 +42,11 @@ pub mod sys;
 #[allow(unsafe_code)]
 pub mod vulkan;
 
+/// The README's example, compiled and run as a doctest so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
+
 pub use alloc::{Allocator, AllocatorDesc, rounded_size};
 pub use buffer::{Access, Backend, BackendKind, CpuAccess, Refusal, UnifiedBuffer};
 pub use ledger::{CopyLedger, LedgerReport, StageCopies, StageReport};
