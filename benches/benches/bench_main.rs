@@ -401,11 +401,41 @@ mod sync {
     }
 }
 
+mod uvm {
+    //! uvm-alloc: the cost of making a buffer (allocate, map, drop) per backend available here,
+    //! and of a scoped CPU access (begin + end; a dma-buf adds two DMA_BUF_IOCTL_SYNC calls).
+
+    use std::hint::black_box;
+
+    use criterion::Criterion;
+    use uvm_alloc::{Access, UnifiedBuffer};
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let mut group = c.benchmark_group("uvm_alloc");
+        group.sample_size(20);
+        group.bench_function("memfd/1MiB", |b| {
+            b.iter(|| UnifiedBuffer::memfd(black_box(1 << 20)).unwrap())
+        });
+        group.bench_function("host/1MiB", |b| {
+            b.iter(|| UnifiedBuffer::host(black_box(1 << 20)).unwrap())
+        });
+        let buffer = UnifiedBuffer::memfd(1 << 20).unwrap();
+        group.bench_function("cpu_access/memfd", |b| {
+            b.iter(|| {
+                let guard = buffer.cpu_access(0..4096, Access::ReadWrite).unwrap();
+                black_box(guard.bytes().len())
+            })
+        });
+        group.finish();
+    }
+}
+
 criterion_group!(
     benches,
     bandwidth::bench,
     mx::quantize,
     mx::gemv,
-    sync::handoff
+    sync::handoff,
+    uvm::bench
 );
 criterion_main!(benches);

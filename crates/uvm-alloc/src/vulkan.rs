@@ -3,8 +3,8 @@
 //! A dma-buf is imported as a dma-buf fd (`VK_EXT_external_memory_dma_buf`); memfd and host
 //! buffers by address (`VK_EXT_external_memory_host`), which on a unified-memory GPU (lavapipe,
 //! SoC GPUs) means the shader reads and writes the very pages the CPU mapped. Opaque fds are
-//! only meaningful for memory a Vulkan driver exported itself, so buffers made here never take
-//! that path; [`ImportPath::OpaqueFd`] exists for callers that hold such memory.
+//! only meaningful for memory a Vulkan driver exported itself (another device or process of the
+//! same driver), so [`import_opaque_fd`] takes such an fd rather than a [`UnifiedBuffer`].
 //!
 //! wgpu does not enable those extensions on its own, so [`open_wgpu_device`] opens the wgpu
 //! device through wgpu-hal with them added; wgpu and raw Vulkan then share one `VkDevice`.
@@ -17,6 +17,7 @@
 //! absence.
 
 use std::ffi::CStr;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use ash::vk;
@@ -126,15 +127,116 @@ pub struct ImportedBuffer {
     pub host_coherent: bool,
 }
 
-/// Imports `source` (its whole mapped length) into `device` as a wgpu buffer with `usage`.
-/// The wgpu buffer keeps `source` alive; drop every wgpu use of it before expecting the memory
-/// back. `device` must come from [`open_wgpu_device`], whose `caps` are passed in.
+/// Imports `source` (its whole mapped length) into `device` as a wgpu buffer with `usage`:
+/// a dma-buf through its fd, memfd or host memory through its address. The wgpu buffer keeps
+/// `source` alive; drop every wgpu use of it before expecting the memory back. `device` must
+/// come from [`open_wgpu_device`], whose `caps` are passed in.
 pub fn import_wgpu_buffer(
     device: &wgpu::Device,
     caps: &ImportCaps,
     source: Arc<UnifiedBuffer>,
     usage: wgpu::BufferUsages,
     label: Option<&str>,
+) -> Result<ImportedBuffer, Error> {
+    let size = source.mapped_len() as u64;
+    if source.is_dma_buf() && caps.dma_buf {
+        let fd = source.fd().expect("dma-bufs have an fd");
+        let dup = rustix::io::fcntl_dupfd_cloexec(fd, 0)
+            .map_err(|e| Error::Vulkan(format!("dup(dma-buf) failed: {e}")))?;
+        let memory = Memory::Fd(dup, vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT);
+        return import(
+            device,
+            memory,
+            size,
+            usage,
+            label,
+            Box::new(source),
+            ImportPath::DmaBuf,
+        );
+    }
+    if caps.host_pointer && !source.is_dma_buf() {
+        let alignment = caps.host_pointer_alignment;
+        if alignment == 0
+            || !size.is_multiple_of(alignment)
+            || !(source.as_ptr() as u64).is_multiple_of(alignment)
+        {
+            return Err(Error::Vulkan(format!(
+                "host import needs address and size aligned to {alignment} bytes; allocate with that alignment"
+            )));
+        }
+        let memory = Memory::Host(source.as_ptr());
+        return import(
+            device,
+            memory,
+            size,
+            usage,
+            label,
+            Box::new(source),
+            ImportPath::HostPointer,
+        );
+    }
+    Err(Error::Vulkan(format!(
+        "no import path for a {:?} buffer: dma-buf import {}, host-pointer import {}",
+        source.backend(),
+        if caps.dma_buf {
+            "available"
+        } else {
+            "missing (VK_EXT_external_memory_dma_buf)"
+        },
+        if caps.host_pointer {
+            "available"
+        } else {
+            "missing (VK_EXT_external_memory_host)"
+        },
+    )))
+}
+
+/// Imports `size` bytes of memory that a Vulkan driver exported as an opaque fd
+/// (`VK_KHR_external_memory_fd`; from another device or process with the same driver and
+/// device UUID) as a wgpu buffer. Vulkan owns `fd` once the import succeeds.
+pub fn import_opaque_fd(
+    device: &wgpu::Device,
+    caps: &ImportCaps,
+    fd: OwnedFd,
+    size: u64,
+    usage: wgpu::BufferUsages,
+    label: Option<&str>,
+) -> Result<ImportedBuffer, Error> {
+    if !caps.opaque_fd {
+        return Err(Error::Vulkan(
+            "opaque fd import needs VK_KHR_external_memory_fd".into(),
+        ));
+    }
+    let memory = Memory::Fd(fd, vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD);
+    import(
+        device,
+        memory,
+        size,
+        usage,
+        label,
+        Box::new(()),
+        ImportPath::OpaqueFd,
+    )
+}
+
+/// What an import hands to Vulkan.
+enum Memory {
+    /// The start of a live host mapping, suitably aligned.
+    Host(*mut u8),
+    /// An fd Vulkan takes ownership of on success, and its handle type.
+    Fd(OwnedFd, vk::ExternalMemoryHandleTypeFlags),
+}
+
+/// Creates a `VkBuffer` over imported memory and wraps it as a wgpu buffer whose drop destroys
+/// the buffer, frees the memory and then drops `keep_alive` (what owns the imported pages).
+fn import(
+    device: &wgpu::Device,
+    memory: Memory,
+    size: u64,
+    usage: wgpu::BufferUsages,
+    label: Option<&str>,
+    keep_alive: Box<dyn std::any::Any + Send + Sync>,
+    path: ImportPath,
 ) -> Result<ImportedBuffer, Error> {
     // SAFETY: the hal device is only borrowed while the Vulkan objects are created.
     let hal_device = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }
@@ -143,73 +245,35 @@ pub fn import_wgpu_buffer(
     let instance = hal_device.shared_instance().raw_instance().clone();
     let physical = hal_device.raw_physical_device();
     drop(hal_device);
-    let size = source.mapped_len() as u64;
-    let path = if source.is_dma_buf() && caps.dma_buf {
-        ImportPath::DmaBuf
-    } else if caps.host_pointer && !source.is_dma_buf() {
-        ImportPath::HostPointer
-    } else {
-        return Err(Error::Vulkan(format!(
-            "no import path for a {:?} buffer: dma-buf import {}, host-pointer import {}",
-            source.backend(),
-            if caps.dma_buf {
-                "available"
-            } else {
-                "missing (VK_EXT_external_memory_dma_buf)"
-            },
-            if caps.host_pointer {
-                "available"
-            } else {
-                "missing (VK_EXT_external_memory_host)"
-            },
-        )));
+    let handle_type = match &memory {
+        Memory::Host(_) => vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT,
+        Memory::Fd(_, t) => *t,
     };
-    let handle_type = match path {
-        ImportPath::DmaBuf => vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT,
-        ImportPath::HostPointer => vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT,
-        ImportPath::OpaqueFd => vk::ExternalMemoryHandleTypeFlags::OPAQUE_FD,
-    };
-    if path == ImportPath::HostPointer
-        && (caps.host_pointer_alignment == 0
-            || !size.is_multiple_of(caps.host_pointer_alignment)
-            || !(source.as_ptr() as u64).is_multiple_of(caps.host_pointer_alignment))
-    {
-        return Err(Error::Vulkan(format!(
-            "host import needs address and size aligned to {} bytes; allocate with that alignment",
-            caps.host_pointer_alignment
-        )));
-    }
 
     // Which memory types can hold the import.
-    let import_types = match path {
-        ImportPath::HostPointer => {
+    let import_types = match &memory {
+        Memory::Host(ptr) => {
             let ext = ash::ext::external_memory_host::Device::new(&instance, &raw);
             let mut props = vk::MemoryHostPointerPropertiesEXT::default();
             let query = ext.fp().get_memory_host_pointer_properties_ext;
             // SAFETY: the function pointer was loaded for this device; the pointer is the start
-            // of a live host mapping owned by `source`; `props` is a valid output struct.
-            unsafe {
-                query(
-                    ext.device(),
-                    handle_type,
-                    source.as_ptr().cast(),
-                    &mut props,
-                )
-            }
-            .result()
-            .map_err(vk_error("vkGetMemoryHostPointerPropertiesEXT"))?;
+            // of a live host mapping (the caller's `keep_alive` owns it); `props` is valid.
+            unsafe { query(ext.device(), handle_type, ptr.cast(), &mut props) }
+                .result()
+                .map_err(vk_error("vkGetMemoryHostPointerPropertiesEXT"))?;
             props.memory_type_bits
         }
-        _ => {
-            let fd = source.fd().expect("dma-bufs have an fd");
+        Memory::Fd(fd, _) if handle_type == vk::ExternalMemoryHandleTypeFlags::DMA_BUF_EXT => {
+            use std::os::fd::AsRawFd;
             let ext = ash::khr::external_memory_fd::Device::new(&instance, &raw);
             let mut props = vk::MemoryFdPropertiesKHR::default();
-            use std::os::fd::AsRawFd;
             // SAFETY: a valid open dma-buf fd, only inspected.
             unsafe { ext.get_memory_fd_properties(handle_type, fd.as_raw_fd(), &mut props) }
                 .map_err(vk_error("vkGetMemoryFdPropertiesKHR"))?;
             props.memory_type_bits
         }
+        // Opaque fds carry no queryable properties: the buffer's own requirements decide.
+        Memory::Fd(..) => u32::MAX,
     };
 
     let mut external = vk::ExternalMemoryBufferCreateInfo::default().handle_types(handle_type);
@@ -227,7 +291,7 @@ pub fn import_wgpu_buffer(
     let vk_buffer =
         unsafe { raw.create_buffer(&buffer_info, None) }.map_err(vk_error("vkCreateBuffer"))?;
     // From here on, failures must destroy what was created.
-    let cleanup_buffer = |raw: &ash::Device| {
+    let destroy_buffer = |raw: &ash::Device| {
         // SAFETY: the buffer was created above and is not in use.
         unsafe { raw.destroy_buffer(vk_buffer, None) }
     };
@@ -236,15 +300,20 @@ pub fn import_wgpu_buffer(
     // SAFETY: a valid physical device of this instance.
     let mem_props = unsafe { instance.get_physical_device_memory_properties(physical) };
     let candidates = reqs.memory_type_bits & import_types;
+    let wanted_flags = match path {
+        // The CPU reads these through its own mapping, so the memory must be host-visible.
+        ImportPath::HostPointer | ImportPath::DmaBuf => vk::MemoryPropertyFlags::HOST_VISIBLE,
+        ImportPath::OpaqueFd => vk::MemoryPropertyFlags::empty(),
+    };
     let Some(type_index) = (0..mem_props.memory_type_count).find(|&i| {
         candidates & (1 << i) != 0
             && mem_props.memory_types[i as usize]
                 .property_flags
-                .contains(vk::MemoryPropertyFlags::HOST_VISIBLE)
+                .contains(wanted_flags)
     }) else {
-        cleanup_buffer(&raw);
+        destroy_buffer(&raw);
         return Err(Error::Vulkan(format!(
-            "no host-visible memory type accepts this import (buffer types {:#x}, import types {:#x})",
+            "no suitable memory type accepts this import (buffer types {:#x}, import types {:#x})",
             reqs.memory_type_bits, import_types
         )));
     };
@@ -252,29 +321,22 @@ pub fn import_wgpu_buffer(
         .property_flags
         .contains(vk::MemoryPropertyFlags::HOST_COHERENT);
 
-    let memory = match path {
-        ImportPath::HostPointer => {
+    let allocated = match memory {
+        Memory::Host(ptr) => {
             let mut import = vk::ImportMemoryHostPointerInfoEXT::default()
                 .handle_type(handle_type)
-                .host_pointer(source.as_ptr().cast());
+                .host_pointer(ptr.cast());
             let info = vk::MemoryAllocateInfo::default()
                 .allocation_size(size)
                 .memory_type_index(type_index)
                 .push_next(&mut import);
-            // SAFETY: the pointer and size are aligned (checked above) and cover the live
-            // mapping owned by `source`, which the wgpu buffer keeps alive until the memory is
-            // freed in its drop callback.
+            // SAFETY: the pointer and size are aligned (checked by the caller) and cover a live
+            // mapping that `keep_alive` owns until the memory is freed in the drop callback.
             unsafe { raw.allocate_memory(&info, None) }
         }
-        _ => {
-            // Vulkan takes ownership of the fd on success, so import a duplicate.
-            let fd = source.fd().expect("dma-bufs have an fd");
-            let dup = rustix::io::fcntl_dupfd_cloexec(fd, 0).map_err(|e| {
-                cleanup_buffer(&raw);
-                Error::Vulkan(format!("dup(dma-buf) failed: {e}"))
-            })?;
-            use std::os::fd::IntoRawFd;
-            let raw_fd = dup.into_raw_fd();
+        Memory::Fd(fd, _) => {
+            use std::os::fd::{FromRawFd, IntoRawFd};
+            let raw_fd = fd.into_raw_fd();
             let mut import = vk::ImportMemoryFdInfoKHR::default()
                 .handle_type(handle_type)
                 .fd(raw_fd);
@@ -282,43 +344,40 @@ pub fn import_wgpu_buffer(
                 .allocation_size(size)
                 .memory_type_index(type_index)
                 .push_next(&mut import);
-            // SAFETY: `raw_fd` is a dma-buf of `size` bytes that Vulkan now owns on success.
+            // SAFETY: `raw_fd` is memory of the given handle type and at least `size` bytes;
+            // Vulkan owns it on success.
             let result = unsafe { raw.allocate_memory(&info, None) };
             if result.is_err() {
-                use std::os::fd::FromRawFd;
-                // SAFETY: on failure Vulkan did not take the fd; we still own it.
-                drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw_fd) });
+                // SAFETY: on failure Vulkan did not take the fd; it is still ours to close.
+                drop(unsafe { OwnedFd::from_raw_fd(raw_fd) });
             }
             result
         }
-    }
-    .map_err(|e| {
-        cleanup_buffer(&raw);
+    };
+    let vk_memory = allocated.map_err(|e| {
+        destroy_buffer(&raw);
         vk_error("vkAllocateMemory(import)")(e)
     })?;
     // SAFETY: buffer and memory of this device; the memory type was chosen from the buffer's
-    // requirements and the import size is the buffer size.
-    if let Err(e) = unsafe { raw.bind_buffer_memory(vk_buffer, memory, 0) } {
-        cleanup_buffer(&raw);
+    // requirements and the import covers the buffer's size.
+    if let Err(e) = unsafe { raw.bind_buffer_memory(vk_buffer, vk_memory, 0) } {
+        destroy_buffer(&raw);
         // SAFETY: the memory was allocated above and is bound to nothing.
-        unsafe { raw.free_memory(memory, None) };
+        unsafe { raw.free_memory(vk_memory, None) };
         return Err(vk_error("vkBindBufferMemory")(e));
     }
 
     let device_for_drop = raw.clone();
-    let keep_alive = Arc::clone(&source);
     let on_drop: wgpu::hal::DropCallback = Box::new(move || {
-        // SAFETY: wgpu calls this once, after its last use of the buffer; the buffer and memory
-        // are ours, and `keep_alive` (dropped last) keeps the imported pages valid until then.
-        unsafe {
-            device_for_drop.destroy_buffer(vk_buffer, None);
-        }
+        // SAFETY: wgpu calls this once, after its last use of the buffer; buffer and memory are
+        // ours, and `keep_alive` (dropped last) keeps the imported pages valid until then.
+        unsafe { device_for_drop.destroy_buffer(vk_buffer, None) };
         // SAFETY: as above; the buffer bound to the memory is destroyed.
-        unsafe { device_for_drop.free_memory(memory, None) };
+        unsafe { device_for_drop.free_memory(vk_memory, None) };
         drop(keep_alive);
     });
     // SAFETY: the buffer outlives the hal buffer (destroyed in its drop callback), and imported
-    // memory is never mapped by wgpu (the CPU uses `source`'s mapping).
+    // memory is never mapped by wgpu (the CPU uses its own mapping).
     let hal_buffer =
         unsafe { wgpu::hal::vulkan::Buffer::from_raw_externally_owned(vk_buffer, on_drop) };
     let desc = wgpu::BufferDescriptor {
