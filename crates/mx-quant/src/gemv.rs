@@ -176,6 +176,23 @@ impl MxMatrix {
         Ok(m)
     }
 
+    /// The matrix as GGUF `block_mxfp4` rows (for saving); only for FP4 E2M1 weights.
+    pub fn to_gguf_mxfp4(&self) -> Result<Vec<crate::layout::BlockMxfp4>, Error> {
+        if self.format != ElemFormat::Fp4E2M1 {
+            return Err(Error::UnsupportedFormat {
+                format: self.format,
+            });
+        }
+        let mut out = Vec::with_capacity(self.rows * self.blocks_per_row());
+        for row in 0..self.rows {
+            for b in 0..self.blocks_per_row() {
+                let (scale, codes) = self.get_block(row, b);
+                out.push(crate::layout::BlockMxfp4::from_codes(scale, &codes));
+            }
+        }
+        Ok(out)
+    }
+
     fn zeroed(format: ElemFormat, rows: usize, cols: usize) -> Result<MxMatrix, Error> {
         let tiles = rows.div_ceil(TILE_ROWS);
         let tile_blocks = tiles.checked_mul(cols / BLOCK).ok_or(Error::TooLarge)?;

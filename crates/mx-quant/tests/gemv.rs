@@ -238,6 +238,8 @@ fn gguf_mxfp4_blocks_load_like_the_linear_layout() {
     let a = MxMatrix::from_linear(format, rows, cols, &scales, &packed).unwrap();
     let b = MxMatrix::from_gguf_mxfp4(rows, cols, &blocks).unwrap();
     assert_eq!(dequantized_rows(&a), dequantized_rows(&b));
+    // And back out, byte for byte: GGUF MXFP4 tensors load and save.
+    assert_eq!(a.to_gguf_mxfp4().unwrap(), blocks);
 }
 
 #[test]
