@@ -430,12 +430,45 @@ mod uvm {
     }
 }
 
+mod kv {
+    //! kv-paged: one block allocated and freed (a 16-token sequence added and freed), and a
+    //! fork plus its copy-on-write append.
+
+    use std::hint::black_box;
+
+    use criterion::Criterion;
+    use kv_paged::BlockManager;
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let mut group = c.benchmark_group("kv_paged");
+        let mut m = BlockManager::new(4096, 16).unwrap();
+        let tokens: Vec<u32> = (0..16).collect();
+        group.bench_function("allocate_free_block", |b| {
+            b.iter(|| {
+                m.add_sequence(1, black_box(&tokens)).unwrap();
+                m.free_sequence(1).unwrap();
+            })
+        });
+        let mut m = BlockManager::new(4096, 16).unwrap();
+        m.add_sequence(1, &(0..40).collect::<Vec<u32>>()).unwrap();
+        group.bench_function("fork_cow_append_free", |b| {
+            b.iter(|| {
+                m.fork(1, 2).unwrap();
+                black_box(m.append(2, &[7]).unwrap());
+                m.free_sequence(2).unwrap();
+            })
+        });
+        group.finish();
+    }
+}
+
 criterion_group!(
     benches,
     bandwidth::bench,
     mx::quantize,
     mx::gemv,
     sync::handoff,
-    uvm::bench
+    uvm::bench,
+    kv::bench
 );
 criterion_main!(benches);

@@ -53,7 +53,19 @@ fn print_report(report: &Value) {
                 Some(items) if !items.is_empty() => {
                     println!("{class:18} present:");
                     for item in items {
-                        println!("{:18}   {item}", "");
+                        let field = |k: &str| item.get(k).and_then(Value::as_str).unwrap_or("");
+                        let line = if item.get("name").is_some() {
+                            format!(
+                                "{} ({}, driver {} {})",
+                                field("name"),
+                                field("device_type"),
+                                field("driver"),
+                                field("driver_info")
+                            )
+                        } else {
+                            format!("{} ({})", field("path"), field("description"))
+                        };
+                        println!("{:18}   {line}", "");
                     }
                 }
                 _ => println!("{class:18} present"),

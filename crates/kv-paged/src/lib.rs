@@ -2,11 +2,64 @@
 //! one unified buffer, per-sequence block tables, copy-on-write forks, prefix caching, quantized
 //! pages, pruning policies and paged attention kernels.
 //!
-//! Its contents arrive with issue #5; this crate exports nothing yet.
+//! What is here today is the block manager ([`BlockManager`]): the allocator, refcounts,
+//! copy-on-write forks, block tables, the prefix cache with LRU eviction, out-of-blocks errors
+//! with a preemption hook, and accounting. Page storage, quantized page dtypes, attention
+//! kernels and pruning policies arrive with the rest of issue #5.
 //!
 //! # Design
-//! - One uvm-alloc buffer holds every block, each aligned to 128 B, so an accelerator maps the
-//!   whole cache once and a block table is all a kernel needs.
-//! - Allocation and free are O(1); blocks are refcounted so forks share until written.
+//! - Every block is in exactly one state: free, used (refcounted by sequence tables) or cached
+//!   (unreferenced, full, hashed with its parent's hash, evicted LRU). Allocate and free are O(1).
+//! - The manager is storage-agnostic and reports copy-on-write copies for the caller to perform
+//!   (or for the storage layer, which counts them in uvm-alloc's copy ledger).
+//! - Block ids are handed out lowest first, so a scripted workload gives the same tables on
+//!   every run (the goldens rely on it).
+//!
+//! # Invariants
+//! - A block's refcount equals the number of sequence tables that hold it
+//!   ([`BlockManager::check_invariants`] verifies this and the state partition).
 
 #![forbid(unsafe_code)]
+
+mod pool;
+
+/// The README's example, compiled and run as a doctest so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
+
+pub use pool::{
+    Accounting, Appended, BlockCopy, BlockId, BlockManager, Preempt, PreemptNewest, Preempted,
+    SeqId, Slot, block_hash,
+};
+
+/// Why a cache operation failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Not enough blocks: free (including evictable cached) blocks fall short.
+    #[error(
+        "out of KV blocks: {requested} needed, {free} available of {total}; free or preempt a sequence"
+    )]
+    OutOfBlocks {
+        requested: usize,
+        free: usize,
+        total: usize,
+    },
+    /// A sequence id that is not present.
+    #[error("sequence {seq} does not exist")]
+    UnknownSequence { seq: u64 },
+    /// A sequence id that is already present.
+    #[error("sequence {seq} already exists")]
+    SequenceExists { seq: u64 },
+    /// A logical block index past the sequence's full blocks.
+    #[error("sequence {seq} has {full_blocks} full blocks; block {logical} cannot be dropped")]
+    BlockOutOfRange {
+        seq: u64,
+        logical: usize,
+        full_blocks: usize,
+    },
+    /// A configuration value is out of range.
+    #[error("bad configuration: {what}")]
+    BadConfig { what: &'static str },
+}
