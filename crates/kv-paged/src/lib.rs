@@ -20,7 +20,10 @@
 //!   ([`BlockManager::check_invariants`] verifies this and the state partition).
 
 #![forbid(unsafe_code)]
+#![allow(clippy::too_many_arguments)]
 
+pub mod attention;
+mod cache;
 mod pool;
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
@@ -28,6 +31,7 @@ mod pool;
 #[doc = include_str!("../README.md")]
 struct ReadmeExample;
 
+pub use cache::{KvCache, KvLayout, PageDtype};
 pub use pool::{
     Accounting, Appended, BlockCopy, BlockId, BlockManager, Preempt, PreemptNewest, Preempted,
     SeqId, Slot, block_hash,
@@ -62,4 +66,10 @@ pub enum Error {
     /// A configuration value is out of range.
     #[error("bad configuration: {what}")]
     BadConfig { what: &'static str },
+    /// The unified buffer behind the pages refused.
+    #[error("KV storage: {0}")]
+    Memory(uvm_alloc::Error),
+    /// An MX page could not be (de)quantized.
+    #[error("KV page quantization: {0}")]
+    Quant(mx_quant::Error),
 }

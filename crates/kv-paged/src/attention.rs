@@ -1,0 +1,263 @@
+//! Paged attention on the CPU: decode (one query per sequence) and causal prefill, grouped-query
+//! attention, multi-threaded over query heads.
+//!
+//! Decode reads each K and V vector of the sequence once per thread, page by page through the
+//! block table, dequantizing into one L1-resident vector (mx-quant's SIMD kernels for MX pages),
+//! and serves every query head of its group from it: scores, a max-subtracted softmax in f32,
+//! then the probability-weighted sum of V. [`contiguous_decode`] is the same computation over
+//! plain contiguous f32 K/V, the baseline the benches compare against.
+
+use crate::Error;
+use crate::cache::KvCache;
+use crate::pool::SeqId;
+
+/// `1 / sqrt(head_dim)`, the usual attention scale.
+pub fn default_scale(head_dim: usize) -> f32 {
+    1.0 / (head_dim as f32).sqrt()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent sums so the compiler vectorises the loop.
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = a.mul_add(v, *o);
+    }
+}
+
+/// Softmax of `scores` in place (max-subtracted).
+fn softmax(scores: &mut [f32]) {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = 0.0;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    for s in scores.iter_mut() {
+        *s *= inv;
+    }
+}
+
+/// Decode attention for `seq` at `layer`: `q` holds `q_heads * head_dim` values, `out` receives
+/// the same. `q_heads` must be a multiple of the cache's `kv_heads` (GQA); `threads` splits the
+/// query heads. Returns the attention probabilities when `probs` is given (`q_heads * len`), for
+/// pruning policies that accumulate them.
+pub fn decode(
+    cache: &KvCache,
+    seq: SeqId,
+    layer: usize,
+    q_heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+    threads: usize,
+    probs: Option<&mut Vec<f32>>,
+) -> Result<(), Error> {
+    let l = *cache.layout();
+    let hd = l.head_dim;
+    if q_heads == 0
+        || !q_heads.is_multiple_of(l.kv_heads)
+        || q.len() != q_heads * hd
+        || out.len() != q_heads * hd
+    {
+        return Err(Error::BadConfig {
+            what: "decode: q_heads must be a multiple of kv_heads, q and out q_heads * head_dim long",
+        });
+    }
+    if layer >= l.layers {
+        return Err(Error::BadConfig {
+            what: "decode: layer out of range",
+        });
+    }
+    let table = cache.manager().block_table(seq)?.to_vec();
+    let len = cache.manager().len(seq)?;
+    if len == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let group = q_heads / l.kv_heads;
+    let scale = default_scale(hd);
+    let guard = cache
+        .buffer()
+        .cpu_access(0..cache.buffer().len(), uvm_alloc::Access::Read)
+        .map_err(Error::Memory)?;
+    let bytes = guard.bytes();
+    let threads = threads.clamp(1, q_heads);
+    let per = q_heads.div_ceil(threads);
+    let mut all_probs = vec![0f32; if probs.is_some() { q_heads * len } else { 0 }];
+    let want_probs = probs.is_some();
+    let work = |heads: std::ops::Range<usize>,
+                out: &mut [f32],
+                probs_out: &mut [f32]|
+     -> Result<(), Error> {
+        let mut scratch = vec![0f32; hd];
+        let mut scores = vec![0f32; heads.len() * len];
+        let mut h = heads.start;
+        while h < heads.end {
+            let g = h / group;
+            let last = heads.end.min((g + 1) * group);
+            let hs = h..last;
+            cache.for_each_vector(bytes, &table, len, layer, g, false, &mut scratch, |t, k| {
+                for qh in hs.clone() {
+                    scores[(qh - heads.start) * len + t] =
+                        dot(&q[qh * hd..(qh + 1) * hd], k) * scale;
+                }
+            })?;
+            for qh in hs.clone() {
+                softmax(&mut scores[(qh - heads.start) * len..(qh - heads.start + 1) * len]);
+                out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd].fill(0.0);
+            }
+            cache.for_each_vector(bytes, &table, len, layer, g, true, &mut scratch, |t, v| {
+                for qh in hs.clone() {
+                    let p = scores[(qh - heads.start) * len + t];
+                    axpy(
+                        &mut out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd],
+                        p,
+                        v,
+                    );
+                }
+            })?;
+            h = last;
+        }
+        if want_probs {
+            probs_out.copy_from_slice(&scores);
+        }
+        Ok(())
+    };
+    if threads == 1 {
+        work(0..q_heads, out, &mut all_probs)?;
+    } else {
+        let prob_chunk = if want_probs { per * len } else { 0 };
+        let mut prob_chunks: Vec<&mut [f32]> = if want_probs {
+            all_probs.chunks_mut(prob_chunk).collect()
+        } else {
+            (0..threads).map(|_| &mut [][..]).collect()
+        };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = out
+                .chunks_mut(per * hd)
+                .zip(prob_chunks.iter_mut())
+                .enumerate()
+                .map(|(i, (o, p))| {
+                    let heads = i * per..((i + 1) * per).min(q_heads);
+                    let work = &work;
+                    s.spawn(move || work(heads, o, p))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .try_for_each(|h| h.join().expect("attention worker does not panic"))
+        })?;
+    }
+    if let Some(p) = probs {
+        *p = all_probs;
+    }
+    Ok(())
+}
+
+/// Causal prefill attention: `n = q.len() / (q_heads * head_dim)` queries at positions
+/// `first_pos..first_pos + n` of `seq` (whose K/V for those positions are already written); query
+/// `i` attends to tokens `0..=first_pos + i`. Queries are processed in chunks of `CHUNK`, so the
+/// score scratch stays `CHUNK * len` per head.
+pub fn prefill(
+    cache: &KvCache,
+    seq: SeqId,
+    layer: usize,
+    q_heads: usize,
+    first_pos: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), Error> {
+    const CHUNK: usize = 64;
+    let l = *cache.layout();
+    let hd = l.head_dim;
+    let stride = q_heads * hd;
+    if q_heads == 0
+        || !q_heads.is_multiple_of(l.kv_heads)
+        || !q.len().is_multiple_of(stride)
+        || out.len() != q.len()
+    {
+        return Err(Error::BadConfig {
+            what: "prefill: q_heads must be a multiple of kv_heads, q and out n * q_heads * head_dim long",
+        });
+    }
+    let n = q.len() / stride;
+    let len = cache.manager().len(seq)?;
+    if first_pos + n > len {
+        return Err(Error::BadConfig {
+            what: "prefill: queries past the sequence's written tokens",
+        });
+    }
+    let group = q_heads / l.kv_heads;
+    let scale = default_scale(hd);
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    let mut scores = vec![0f32; CHUNK * len];
+    for g in 0..l.kv_heads {
+        cache.gather(seq, layer, g, false, &mut k)?;
+        cache.gather(seq, layer, g, true, &mut v)?;
+        for qh in g * group..(g + 1) * group {
+            for chunk_start in (0..n).step_by(CHUNK) {
+                let chunk = CHUNK.min(n - chunk_start);
+                for i in 0..chunk {
+                    let qi = chunk_start + i;
+                    let visible = first_pos + qi + 1;
+                    let qv = &q[qi * stride + qh * hd..qi * stride + (qh + 1) * hd];
+                    let row = &mut scores[i * len..i * len + visible];
+                    for (t, s) in row.iter_mut().enumerate() {
+                        *s = dot(qv, &k[t * hd..(t + 1) * hd]) * scale;
+                    }
+                    softmax(row);
+                    let o = &mut out[qi * stride + qh * hd..qi * stride + (qh + 1) * hd];
+                    o.fill(0.0);
+                    for (t, &p) in row.iter().enumerate() {
+                        axpy(o, p, &v[t * hd..(t + 1) * hd]);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The same decode computation over contiguous f32 K and V (`[token][kv_head][head_dim]`), the
+/// baseline paged decode is measured against.
+pub fn contiguous_decode(
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    q_heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let group = q_heads / kv_heads;
+    let scale = default_scale(head_dim);
+    let mut scores = vec![0f32; len];
+    for qh in 0..q_heads {
+        let g = qh / group;
+        let qv = &q[qh * head_dim..(qh + 1) * head_dim];
+        for (t, s) in scores.iter_mut().enumerate() {
+            let off = (t * kv_heads + g) * head_dim;
+            *s = dot(qv, &k[off..off + head_dim]) * scale;
+        }
+        softmax(&mut scores);
+        let o = &mut out[qh * head_dim..(qh + 1) * head_dim];
+        o.fill(0.0);
+        for (t, &p) in scores.iter().enumerate() {
+            let off = (t * kv_heads + g) * head_dim;
+            axpy(o, p, &v[off..off + head_dim]);
+        }
+    }
+}
