@@ -17,13 +17,14 @@ pub fn default_scale(head_dim: usize) -> f32 {
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent sums so the compiler vectorises the loop.
+    // Eight independent sums so the compiler vectorises the loop. Plain `a * b + c`, not
+    // `mul_add`: without FMA in the baseline target, `mul_add` is a libm call per element.
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+            acc[i] += x[i] * y[i];
         }
     }
     let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
@@ -32,7 +33,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 fn axpy(out: &mut [f32], a: f32, x: &[f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = a.mul_add(v, *o);
+        *o += a * v;
     }
 }
 
@@ -101,7 +102,7 @@ pub fn decode(
                 out: &mut [f32],
                 probs_out: &mut [f32]|
      -> Result<(), Error> {
-        let mut scratch = vec![0f32; hd];
+        let mut scratch = Vec::new();
         let mut scores = vec![0f32; heads.len() * len];
         let mut h = heads.start;
         while h < heads.end {

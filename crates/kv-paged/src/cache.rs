@@ -4,9 +4,10 @@
 //! # Layout
 //! A block holds, for each layer, K then V, each `[kv_head][token][head_dim]`. One token-head
 //! vector is `head_dim` elements: raw little-endian values for f32/f16/bf16; for MX, the packed
-//! codes (mx-quant's linear layout) followed by one E8M0 scale per 32 elements, so the MX blocks
-//! run along `head_dim` as the format intends. Blocks are padded to 128 bytes, and the buffer
-//! starts page aligned, so every block is 128-byte aligned.
+//! codes (mx-quant's linear layout) and one E8M0 scale per 32 elements, so the MX blocks
+//! run along `head_dim` as the format intends. Within one head's page the MX data is planar (all
+//! tokens' codes, then all their scales), so a page decodes in one SIMD call. Blocks are padded
+//! to 128 bytes, and the buffer starts page aligned, so every block is 128-byte aligned.
 
 use mx_quant::layout::packed_len;
 use mx_quant::{ElemFormat, QuantOptions};
@@ -246,14 +247,15 @@ impl KvCache {
             .cpu_access(base..base + self.block_bytes, Access::Write)
             .map_err(Error::Memory)?;
         let block = guard.bytes_mut().map_err(Error::Memory)?;
-        let vb = l.dtype.vector_bytes(l.head_dim);
+        let page_bytes = l.block_tokens * l.dtype.vector_bytes(l.head_dim);
         for (is_v, src) in [(false, k), (true, v)] {
             for h in 0..l.kv_heads {
-                let off = l.vector_offset(layer, is_v, h, slot.offset as usize);
-                encode(
-                    l.dtype,
+                let off = l.vector_offset(layer, is_v, h, 0);
+                encode_token(
+                    &l,
+                    &mut block[off..off + page_bytes],
+                    slot.offset as usize,
                     &src[h * l.head_dim..(h + 1) * l.head_dim],
-                    &mut block[off..off + vb],
                 )?;
             }
         }
@@ -285,18 +287,18 @@ impl KvCache {
             .cpu_access(0..self.buffer.len(), Access::Read)
             .map_err(Error::Memory)?;
         let bytes = guard.bytes();
-        let vb = l.dtype.vector_bytes(l.head_dim);
-        for (t, dst) in out.chunks_exact_mut(l.head_dim).enumerate() {
-            let block = table[t / l.block_tokens] as usize;
-            let off = block * self.block_bytes
-                + l.vector_offset(layer, is_v, kv_head, t % l.block_tokens);
-            decode(l.dtype, &bytes[off..off + vb], dst)?;
+        let page_bytes = l.block_tokens * l.dtype.vector_bytes(l.head_dim);
+        for (page, dst) in out.chunks_mut(l.block_tokens * l.head_dim).enumerate() {
+            let off =
+                table[page] as usize * self.block_bytes + l.vector_offset(layer, is_v, kv_head, 0);
+            decode_tokens(&l, &bytes[off..off + page_bytes], dst)?;
         }
         Ok(())
     }
 
-    /// Runs `f(token, k_or_v_vector)` over the stored vectors without gathering, page by page;
-    /// `scratch` holds one dequantized vector.
+    /// Runs `f(token, k_or_v_vector)` over the stored vectors without gathering, one page at a
+    /// time: a page's `block_tokens` vectors of one head are contiguous, so they are converted in
+    /// one call into `scratch` (`block_tokens * head_dim`), or read in place for f32 pages.
     pub(crate) fn for_each_vector(
         &self,
         bytes: &[u8],
@@ -305,68 +307,110 @@ impl KvCache {
         layer: usize,
         kv_head: usize,
         is_v: bool,
-        scratch: &mut [f32],
+        scratch: &mut Vec<f32>,
         mut f: impl FnMut(usize, &[f32]),
     ) -> Result<(), Error> {
         let l = self.layout;
-        let vb = l.dtype.vector_bytes(l.head_dim);
-        for t in 0..len {
-            let block = table[t / l.block_tokens] as usize;
-            let off = block * self.block_bytes
-                + l.vector_offset(layer, is_v, kv_head, t % l.block_tokens);
-            decode(l.dtype, &bytes[off..off + vb], scratch)?;
-            f(t, scratch);
+        let (bt, hd) = (l.block_tokens, l.head_dim);
+        let page_bytes = bt * l.dtype.vector_bytes(hd);
+        scratch.resize(bt * hd, 0.0);
+        for (page, &block) in table.iter().enumerate() {
+            let first = page * bt;
+            if first >= len {
+                break;
+            }
+            let count = bt.min(len - first);
+            let off = block as usize * self.block_bytes + l.vector_offset(layer, is_v, kv_head, 0);
+            let src = &bytes[off..off + page_bytes];
+            let values: &[f32] = match l.dtype {
+                // The mapping is page aligned and every page offset a multiple of 4: read f32
+                // pages in place.
+                PageDtype::F32 => {
+                    bytemuck::try_cast_slice(&src[..count * hd * 4]).map_err(|_| {
+                        Error::BadConfig {
+                            what: "misaligned f32 page",
+                        }
+                    })?
+                }
+                _ => {
+                    decode_tokens(&l, src, &mut scratch[..count * hd])?;
+                    &scratch[..count * hd]
+                }
+            };
+            for (i, v) in values.chunks_exact(hd).enumerate() {
+                f(first + i, v);
+            }
         }
         Ok(())
     }
 }
 
-fn encode(dtype: PageDtype, src: &[f32], dst: &mut [u8]) -> Result<(), Error> {
-    match dtype {
-        PageDtype::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
+/// Writes token `t`'s vector `src` into one head's page (`block_tokens` vectors). MX pages are
+/// planar: all tokens' codes, then all tokens' scales, so a page decodes in one call.
+fn encode_token(l: &KvLayout, page: &mut [u8], t: usize, src: &[f32]) -> Result<(), Error> {
+    let hd = l.head_dim;
+    match l.dtype {
+        PageDtype::F32 => {
+            page[t * 4 * hd..(t + 1) * 4 * hd].copy_from_slice(bytemuck::cast_slice(src))
+        }
         PageDtype::F16 => {
-            for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+            for (d, &x) in page[t * 2 * hd..(t + 1) * 2 * hd]
+                .chunks_exact_mut(2)
+                .zip(src)
+            {
                 d.copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
             }
         }
         PageDtype::Bf16 => {
-            for (d, &x) in dst.chunks_exact_mut(2).zip(src) {
+            for (d, &x) in page[t * 2 * hd..(t + 1) * 2 * hd]
+                .chunks_exact_mut(2)
+                .zip(src)
+            {
                 d.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
             }
         }
         PageDtype::Mxfp8 | PageDtype::Mxfp4 => {
-            let format = dtype.mx().expect("mx dtype");
-            let codes = packed_len(format, src.len());
-            let (packed, scales) = dst.split_at_mut(codes);
-            mx_quant::bulk::quantize(format, QuantOptions::default(), src, scales, packed)
-                .map_err(Error::Quant)?;
+            let format = l.dtype.mx().expect("mx dtype");
+            let (pl, ns) = (packed_len(format, hd), hd / mx_quant::BLOCK);
+            let (codes, scales) = page.split_at_mut(l.block_tokens * pl);
+            mx_quant::bulk::quantize(
+                format,
+                QuantOptions::default(),
+                src,
+                &mut scales[t * ns..(t + 1) * ns],
+                &mut codes[t * pl..(t + 1) * pl],
+            )
+            .map_err(Error::Quant)?;
         }
     }
     Ok(())
 }
 
-fn decode(dtype: PageDtype, src: &[u8], dst: &mut [f32]) -> Result<(), Error> {
-    match dtype {
+/// Decodes the first `dst.len() / head_dim` tokens of one head's page into `dst`, in one
+/// conversion call (F16C for f16 where the CPU has it, mx-quant's SIMD kernels for MX).
+fn decode_tokens(l: &KvLayout, page: &[u8], dst: &mut [f32]) -> Result<(), Error> {
+    use half::slice::HalfFloatSliceExt;
+    let n = dst.len();
+    let misaligned = || Error::BadConfig {
+        what: "misaligned KV page",
+    };
+    match l.dtype {
         PageDtype::F32 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-            }
+            dst.copy_from_slice(bytemuck::try_cast_slice(&page[..4 * n]).map_err(|_| misaligned())?)
         }
-        PageDtype::F16 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *d = half::f16::from_le_bytes([s[0], s[1]]).to_f32();
-            }
-        }
-        PageDtype::Bf16 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *d = half::bf16::from_le_bytes([s[0], s[1]]).to_f32();
-            }
-        }
+        PageDtype::F16 => bytemuck::try_cast_slice::<u8, half::f16>(&page[..2 * n])
+            .map_err(|_| misaligned())?
+            .convert_to_f32_slice(dst),
+        PageDtype::Bf16 => bytemuck::try_cast_slice::<u8, half::bf16>(&page[..2 * n])
+            .map_err(|_| misaligned())?
+            .convert_to_f32_slice(dst),
         PageDtype::Mxfp8 | PageDtype::Mxfp4 => {
-            let format = dtype.mx().expect("mx dtype");
-            let codes = packed_len(format, dst.len());
-            let (packed, scales) = src.split_at(codes);
-            mx_quant::bulk::dequantize(format, scales, packed, dst).map_err(Error::Quant)?;
+            let format = l.dtype.mx().expect("mx dtype");
+            let (pl, ns) = (packed_len(format, l.head_dim), l.head_dim / mx_quant::BLOCK);
+            let tokens = n / l.head_dim;
+            let (codes, scales) = page.split_at(l.block_tokens * pl);
+            mx_quant::bulk::dequantize(format, &scales[..tokens * ns], &codes[..tokens * pl], dst)
+                .map_err(Error::Quant)?;
         }
     }
     Ok(())
