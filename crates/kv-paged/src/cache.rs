@@ -195,6 +195,15 @@ impl KvCache {
         self.manager.drop_blocks(seq, logical)
     }
 
+    /// Applies a pruning decision to the sequence and its attention tracker.
+    pub fn apply_prune(
+        &mut self,
+        tracker: &mut crate::prune::AttentionTracker,
+        report: &crate::prune::PruneReport,
+    ) -> Result<Vec<BlockId>, Error> {
+        crate::prune::apply(&mut self.manager, tracker, report)
+    }
+
     fn do_copies(&mut self, a: &Appended) -> Result<(), Error> {
         if a.copies.is_empty() {
             return Ok(());

@@ -2,10 +2,15 @@
 //! one unified buffer, per-sequence block tables, copy-on-write forks, prefix caching, quantized
 //! pages, pruning policies and paged attention kernels.
 //!
-//! What is here today is the block manager ([`BlockManager`]): the allocator, refcounts,
-//! copy-on-write forks, block tables, the prefix cache with LRU eviction, out-of-blocks errors
-//! with a preemption hook, and accounting. Page storage, quantized page dtypes, attention
-//! kernels and pruning policies arrive with the rest of issue #5.
+//! # What is here
+//! - [`BlockManager`]: the allocator, refcounts, copy-on-write forks, block tables, the prefix
+//!   cache with LRU eviction, out-of-blocks errors with a preemption hook, and accounting.
+//! - [`KvCache`]: the pages of every block in one uvm-alloc buffer, in f32, f16, bf16, MXFP8 or
+//!   MXFP4 ([`PageDtype`]); copy-on-write copies go through uvm-alloc's copy ledger.
+//! - [`attention`]: paged decode (GQA, threads over query heads) and causal prefill on the CPU,
+//!   and the contiguous baseline.
+//! - [`prune`]: StreamingLLM sinks + window, page-level heavy hitters (H2O) and per-layer
+//!   attention-entropy pruning, behind one trait, each reporting what it dropped.
 //!
 //! # Design
 //! - Every block is in exactly one state: free, used (refcounted by sequence tables) or cached
@@ -25,6 +30,7 @@
 pub mod attention;
 mod cache;
 mod pool;
+pub mod prune;
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
 #[cfg(doctest)]

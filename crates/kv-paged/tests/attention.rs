@@ -228,3 +228,32 @@ fn paged_decode_equals_contiguous_decode() {
     // Same arithmetic in the same order: bit for bit.
     assert_eq!(paged, contiguous);
 }
+
+#[test]
+fn decode_returns_probabilities_a_tracker_accepts() {
+    let (q_heads, kv_heads, len) = (9, 3, 90);
+    let s = setup(PageDtype::Bf16, kv_heads, len);
+    let q = Rng(8).vec(q_heads * 64);
+    let mut out = vec![0f32; q_heads * 64];
+    for threads in [1, 2] {
+        let mut probs = Vec::new();
+        decode(
+            &s.cache,
+            1,
+            0,
+            q_heads,
+            &q,
+            &mut out,
+            threads,
+            Some(&mut probs),
+        )
+        .unwrap();
+        assert_eq!(probs.len(), q_heads * len);
+        for head in probs.chunks_exact(len) {
+            assert!((head.iter().sum::<f32>() - 1.0).abs() < 1e-4);
+        }
+        let mut tracker = kv_paged::prune::AttentionTracker::new(2);
+        tracker.observe(0, q_heads, len, &probs).unwrap();
+        assert!((tracker.mass[0].iter().sum::<f32>() - q_heads as f32).abs() < 1e-3);
+    }
+}
