@@ -145,6 +145,19 @@ impl SyncobjTimeline {
         self.handle
     }
 
+    /// Makes `dst`'s `dst_point` signal when this timeline's `point` does (a kernel-side
+    /// transfer; both on the same render node).
+    pub fn transfer_to(
+        &self,
+        point: u64,
+        dst: &SyncobjTimeline,
+        dst_point: u64,
+    ) -> Result<(), Error> {
+        self.node
+            .syncobj_timeline_transfer(self.handle, dst.handle, point, dst_point)
+            .map_err(os("DRM_IOCTL_SYNCOBJ_TRANSFER"))
+    }
+
     /// Exports the fence of `point` as a sync_file (the point must have a fence submitted).
     pub fn export_sync_file(&self, point: u64) -> Result<OwnedFd, Error> {
         let temp = self

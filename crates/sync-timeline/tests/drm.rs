@@ -61,3 +61,14 @@ fn sync_file_round_trip_of_a_point() {
         .unwrap();
     b.wait(7, Duration::from_secs(1)).unwrap();
 }
+
+#[test]
+#[ignore = "hardware: needs a DRM render node with timeline syncobjs (cargo test -- --ignored on a device)"]
+fn transfer_between_timelines() {
+    let node = Arc::new(RenderNode::discover().expect("a render node with timeline syncobjs"));
+    let a = SyncobjTimeline::new(Arc::clone(&node)).unwrap();
+    let b = SyncobjTimeline::new(node).unwrap();
+    a.signal(2).unwrap();
+    a.transfer_to(2, &b, 5).unwrap();
+    b.wait(5, Duration::from_secs(1)).unwrap();
+}
