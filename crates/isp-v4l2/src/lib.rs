@@ -2,16 +2,58 @@
 //! an ISP that converts, resizes and normalises a camera frame straight into the encoder's input
 //! tensor in one fused pass.
 //!
-//! Its sources and ISP operations arrive with issue #7; this crate exports nothing yet.
+//! # What is here
+//! - [`FrameDesc`]/[`PixelFormat`]: NV12, I420, YUYV, 4:2:2 and 4:4:4 planar, RGB24 layouts,
+//!   validated (zero sizes, odd sizes for subsampled formats, overflow) before any byte is read.
+//! - [`FrameSource`] (object-safe) with [`PatternSource`] (a moving test pattern at any size and
+//!   rate) and [`Y4mSource`] (8-bit 4:2:0/4:2:2/4:4:4 through the `y4m` crate); real-time or
+//!   as-fast-as-possible pacing; each frame signals its source's timeline when ready.
+//! - [`isp`]: the scalar reference of the fused pass (YUV -> RGB with BT.601/BT.709, limited or
+//!   full range, crop, bilinear or area resize, mean/std normalisation, f32/f16, CHW/HWC).
+//!
+//! Still to come with issue #7: V4L2 capture (feature `v4l2`), image-file sources, the SIMD and
+//! WGSL ISP kernels, the ffmpeg agreement fixtures, the `pipeline isp` command and benches.
 //!
 //! # Design
 //! - One object-safe frame-source trait; each frame carries its buffer, format, timestamp,
 //!   sequence number and the timeline value signalled when it is ready.
 //! - Capture buffers are exported as dma-bufs (VIDIOC_EXPBUF) or imported from uvm-alloc, so the
-//!   ISP reads the camera's own memory.
+//!   ISP reads the camera's own memory. Sources that must copy (a decoder's own buffers) count
+//!   the bytes in uvm-alloc's copy ledger.
 //!
 //! # Features
 //! - `v4l2`: V4L2 capture through the `v4l` crate. Its bindgen step needs libclang at build time
 //!   (Debian/Ubuntu: `libclang1-14`, plus `linux-libc-dev` for the headers).
 
 #![forbid(unsafe_code)]
+
+mod format;
+pub mod isp;
+mod source;
+
+pub use format::{FrameDesc, PixelFormat, Plane};
+pub use source::{Frame, FrameSource, Pacing, PatternSource, Y4mSource};
+
+/// Why a source or the ISP refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A frame's size or layout is invalid.
+    #[error("bad frame: {what}")]
+    BadFrame { what: String },
+    /// A format or feature this crate does not handle.
+    #[error("unsupported: {what}")]
+    Unsupported { what: &'static str },
+    /// A malformed or truncated Y4M stream.
+    #[error("Y4M: {what}")]
+    Y4m { what: String },
+    /// A file could not be read.
+    #[error("{what}: {error}")]
+    Io { what: String, error: String },
+    /// The unified buffer for a frame could not be made.
+    #[error("frame buffer: {0}")]
+    Memory(uvm_alloc::Error),
+    /// The source's timeline refused a signal.
+    #[error("timeline: {0}")]
+    Timeline(sync_timeline::Error),
+}

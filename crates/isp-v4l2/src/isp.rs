@@ -1,0 +1,310 @@
+//! The CPU ISP: YUV to RGB with BT.601 or BT.709 in limited or full range, crop, resize
+//! (bilinear or area) and mean/std normalisation, fused into one pass from the camera frame to
+//! the model's input tensor (f32 or f16, CHW or HWC). No full-resolution RGB image is ever made:
+//! each output pixel converts only the source pixels it samples.
+//!
+//! This is the scalar reference; SIMD and WGSL variants are to be tested against it.
+
+use crate::Error;
+use crate::format::FrameDesc;
+
+/// YUV -> RGB matrix.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Matrix {
+    /// ITU-R BT.601 (SD video, most webcams' JPEG/MJPEG).
+    #[default]
+    Bt601,
+    /// ITU-R BT.709 (HD video).
+    Bt709,
+}
+
+/// YUV quantisation range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Range {
+    /// Y in 16..=235, chroma in 16..=240 ("TV", the video default).
+    #[default]
+    Limited,
+    /// Every code 0..=255 ("PC", JPEG).
+    Full,
+}
+
+/// The coefficients of one matrix and range: `rgb = m * (yuv - offset)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Coefficients {
+    pub y_offset: f32,
+    pub y_scale: f32,
+    pub c_scale: f32,
+    pub r_cr: f32,
+    pub g_cb: f32,
+    pub g_cr: f32,
+    pub b_cb: f32,
+}
+
+impl Coefficients {
+    /// Derived from the matrix's luma weights Kr and Kb.
+    pub fn new(matrix: Matrix, range: Range) -> Coefficients {
+        let (kr, kb) = match matrix {
+            Matrix::Bt601 => (0.299f32, 0.114f32),
+            Matrix::Bt709 => (0.2126, 0.0722),
+        };
+        let kg = 1.0 - kr - kb;
+        let (y_offset, y_scale, c_scale) = match range {
+            Range::Limited => (16.0, 255.0 / 219.0, 255.0 / 224.0),
+            Range::Full => (0.0, 1.0, 1.0),
+        };
+        Coefficients {
+            y_offset,
+            y_scale,
+            c_scale,
+            r_cr: 2.0 * (1.0 - kr),
+            g_cb: -2.0 * kb * (1.0 - kb) / kg,
+            g_cr: -2.0 * kr * (1.0 - kr) / kg,
+            b_cb: 2.0 * (1.0 - kb),
+        }
+    }
+
+    /// RGB in 0..=255 (unclamped) of one YUV sample.
+    #[inline]
+    pub fn rgb(&self, y: u8, u: u8, v: u8) -> [f32; 3] {
+        let y = (f32::from(y) - self.y_offset) * self.y_scale;
+        let cb = (f32::from(u) - 128.0) * self.c_scale;
+        let cr = (f32::from(v) - 128.0) * self.c_scale;
+        [
+            y + self.r_cr * cr,
+            y + self.g_cb * cb + self.g_cr * cr,
+            y + self.b_cb * cb,
+        ]
+    }
+}
+
+/// How the image is scaled to the output size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Resize {
+    /// Bilinear between the four nearest source pixels (pixel centres aligned).
+    #[default]
+    Bilinear,
+    /// Mean of the source pixels each output pixel covers (for downscaling).
+    Area,
+}
+
+/// Output tensor layout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// Planar: all R, then all G, then all B (PyTorch's NCHW without N).
+    #[default]
+    Chw,
+    /// Interleaved RGB per pixel.
+    Hwc,
+}
+
+/// A crop rectangle in source pixels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Crop {
+    pub x: usize,
+    pub y: usize,
+    pub width: usize,
+    pub height: usize,
+}
+
+/// One fused preprocessing pass.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Preprocess {
+    pub matrix: Matrix,
+    pub range: Range,
+    /// Source rectangle; `None` is the whole frame.
+    pub crop: Option<Crop>,
+    pub width: usize,
+    pub height: usize,
+    pub resize: Resize,
+    /// Per channel, applied to RGB scaled to 0..1: `(rgb / 255 - mean) / std`.
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub layout: Layout,
+}
+
+impl Default for Preprocess {
+    /// SmolVLM/SigLIP's input: 512x512, mean 0.5, std 0.5 (values in -1..1), CHW.
+    fn default() -> Preprocess {
+        Preprocess {
+            matrix: Matrix::Bt601,
+            range: Range::Limited,
+            crop: None,
+            width: 512,
+            height: 512,
+            resize: Resize::Bilinear,
+            mean: [0.5; 3],
+            std: [0.5; 3],
+            layout: Layout::Chw,
+        }
+    }
+}
+
+/// Converts a whole YUV frame to 8-bit RGB at its own size (what the model sees, before
+/// scaling), rounding to nearest and clamping; chroma is taken from the block that holds each
+/// pixel.
+pub fn to_rgb8(
+    desc: &FrameDesc,
+    bytes: &[u8],
+    matrix: Matrix,
+    range: Range,
+) -> Result<Vec<u8>, Error> {
+    check_bytes(desc, bytes)?;
+    let c = Coefficients::new(matrix, range);
+    let mut out = Vec::with_capacity(desc.width * desc.height * 3);
+    for y in 0..desc.height {
+        for x in 0..desc.width {
+            let (yy, u, v) = desc.yuv_at(bytes, x, y).ok_or(Error::Unsupported {
+                what: "RGB input to a YUV conversion",
+            })?;
+            for ch in c.rgb(yy, u, v) {
+                out.push(ch.round().clamp(0.0, 255.0) as u8);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn check_bytes(desc: &FrameDesc, bytes: &[u8]) -> Result<(), Error> {
+    if bytes.len() < desc.byte_len() {
+        return Err(Error::BadFrame {
+            what: format!(
+                "{:?} {}x{} needs {} bytes, got {}",
+                desc.format,
+                desc.width,
+                desc.height,
+                desc.byte_len(),
+                bytes.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The fused pass: `out` receives `3 * width * height` values in `p.layout`.
+pub fn preprocess<T: OutElem>(
+    desc: &FrameDesc,
+    bytes: &[u8],
+    p: &Preprocess,
+    out: &mut [T],
+) -> Result<(), Error> {
+    check_bytes(desc, bytes)?;
+    let crop = p.crop.unwrap_or(Crop {
+        x: 0,
+        y: 0,
+        width: desc.width,
+        height: desc.height,
+    });
+    if crop.width == 0
+        || crop.height == 0
+        || crop.x + crop.width > desc.width
+        || crop.y + crop.height > desc.height
+    {
+        return Err(Error::BadFrame {
+            what: format!(
+                "crop {crop:?} outside the {}x{} frame",
+                desc.width, desc.height
+            ),
+        });
+    }
+    if p.width == 0 || p.height == 0 {
+        return Err(Error::BadFrame {
+            what: "zero-sized output".into(),
+        });
+    }
+    let n = p.width * p.height;
+    if out.len() != 3 * n {
+        return Err(Error::BadFrame {
+            what: format!("output holds {} values, needs {}", out.len(), 3 * n),
+        });
+    }
+    if desc.yuv_at(bytes, 0, 0).is_none() {
+        return Err(Error::Unsupported {
+            what: "RGB input to the YUV preprocessing pass",
+        });
+    }
+    let c = Coefficients::new(p.matrix, p.range);
+    let rgb_at = |x: usize, y: usize| {
+        let (yy, u, v) = desc
+            .yuv_at(bytes, crop.x + x, crop.y + y)
+            .expect("checked YUV and bounds");
+        c.rgb(yy, u, v)
+    };
+    let (sx, sy) = (
+        crop.width as f32 / p.width as f32,
+        crop.height as f32 / p.height as f32,
+    );
+    let scale: [f32; 3] = std::array::from_fn(|i| 1.0 / (255.0 * p.std[i]));
+    let bias: [f32; 3] = std::array::from_fn(|i| -p.mean[i] / p.std[i]);
+    for oy in 0..p.height {
+        for ox in 0..p.width {
+            let rgb = match p.resize {
+                Resize::Bilinear => {
+                    let fx = ((ox as f32 + 0.5) * sx - 0.5).clamp(0.0, (crop.width - 1) as f32);
+                    let fy = ((oy as f32 + 0.5) * sy - 0.5).clamp(0.0, (crop.height - 1) as f32);
+                    let (x0, y0) = (fx as usize, fy as usize);
+                    let (x1, y1) = ((x0 + 1).min(crop.width - 1), (y0 + 1).min(crop.height - 1));
+                    let (ax, ay) = (fx - x0 as f32, fy - y0 as f32);
+                    let (p00, p10, p01, p11) = (
+                        rgb_at(x0, y0),
+                        rgb_at(x1, y0),
+                        rgb_at(x0, y1),
+                        rgb_at(x1, y1),
+                    );
+                    std::array::from_fn(|i| {
+                        let top = p00[i] + (p10[i] - p00[i]) * ax;
+                        let bottom = p01[i] + (p11[i] - p01[i]) * ax;
+                        top + (bottom - top) * ay
+                    })
+                }
+                Resize::Area => {
+                    let (x0, x1) = (
+                        (ox as f32 * sx) as usize,
+                        (((ox + 1) as f32 * sx).ceil() as usize).min(crop.width),
+                    );
+                    let (y0, y1) = (
+                        (oy as f32 * sy) as usize,
+                        (((oy + 1) as f32 * sy).ceil() as usize).min(crop.height),
+                    );
+                    let mut sum = [0f32; 3];
+                    for y in y0..y1.max(y0 + 1) {
+                        for x in x0..x1.max(x0 + 1) {
+                            let v = rgb_at(x, y);
+                            for i in 0..3 {
+                                sum[i] += v[i];
+                            }
+                        }
+                    }
+                    let count = ((x1.max(x0 + 1) - x0) * (y1.max(y0 + 1) - y0)) as f32;
+                    sum.map(|s| s / count)
+                }
+            };
+            let o = oy * p.width + ox;
+            for i in 0..3 {
+                let v = rgb[i].clamp(0.0, 255.0) * scale[i] + bias[i];
+                let index = match p.layout {
+                    Layout::Chw => i * n + o,
+                    Layout::Hwc => 3 * o + i,
+                };
+                out[index] = T::from_f32(v);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An output element type of [`preprocess`].
+pub trait OutElem: Copy {
+    fn from_f32(v: f32) -> Self;
+}
+
+impl OutElem for f32 {
+    fn from_f32(v: f32) -> f32 {
+        v
+    }
+}
+
+impl OutElem for half::f16 {
+    fn from_f32(v: f32) -> half::f16 {
+        half::f16::from_f32(v)
+    }
+}

@@ -1,0 +1,414 @@
+//! Frame sources: one object-safe trait, a synthetic moving test pattern and Y4M files.
+//!
+//! Every frame lives in a uvm-alloc buffer and carries its format, timestamp, sequence number
+//! and the value its source's timeline reaches when the frame is ready, so a consumer waits on
+//! the timeline instead of a lock.
+
+use std::io::BufRead;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sync_timeline::{CpuTimeline, Timeline};
+use uvm_alloc::{Access, Allocator, AllocatorDesc, CopyLedger, StageCopies, UnifiedBuffer};
+
+use crate::Error;
+use crate::format::{FrameDesc, PixelFormat};
+
+/// One captured or decoded frame.
+#[derive(Clone, Debug)]
+pub struct Frame {
+    pub buffer: Arc<UnifiedBuffer>,
+    pub desc: FrameDesc,
+    /// Presentation time from the start of the stream.
+    pub timestamp: Duration,
+    /// 0, 1, 2, ... in source order; a gap means dropped frames.
+    pub sequence: u64,
+    /// The source timeline's value once this frame is ready (`sequence + 1`).
+    pub ready: u64,
+}
+
+/// How fast a file or pattern source delivers frames.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pacing {
+    /// At the stream's frame rate, in real time.
+    RealTime,
+    /// As fast as the consumer takes them.
+    #[default]
+    AsFastAsPossible,
+}
+
+/// A source of frames. Object-safe: the pipeline holds `Box<dyn FrameSource>`.
+pub trait FrameSource: Send {
+    /// The format and size of every frame.
+    fn desc(&self) -> FrameDesc;
+    /// Frames per second, if the source has a rate.
+    fn rate(&self) -> Option<f64>;
+    /// The timeline signalled with each frame's `ready` value.
+    fn timeline(&self) -> Arc<dyn Timeline>;
+    /// The next frame, or `None` at the end of the stream.
+    fn next_frame(&mut self) -> Result<Option<Frame>, Error>;
+}
+
+/// Shared bookkeeping of paced, timeline-signalling sources.
+#[derive(Debug)]
+struct Clock {
+    pacing: Pacing,
+    rate: f64,
+    start: Option<Instant>,
+    timeline: Arc<CpuTimeline>,
+}
+
+impl Clock {
+    fn new(pacing: Pacing, rate: f64) -> Clock {
+        Clock {
+            pacing,
+            rate,
+            start: None,
+            timeline: Arc::new(CpuTimeline::new(0)),
+        }
+    }
+
+    fn timestamp(&self, sequence: u64) -> Duration {
+        Duration::from_secs_f64(sequence as f64 / self.rate)
+    }
+
+    /// Waits until frame `sequence` is due (real-time pacing), then publishes it.
+    fn publish(&mut self, sequence: u64) -> Result<u64, Error> {
+        let start = *self.start.get_or_insert_with(Instant::now);
+        if self.pacing == Pacing::RealTime {
+            let due = start + self.timestamp(sequence);
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        self.timeline
+            .signal(sequence + 1)
+            .map_err(Error::Timeline)?;
+        Ok(sequence + 1)
+    }
+}
+
+/// A synthetic moving test pattern (colour bars sliding over a luma ramp) at any size and rate.
+#[derive(Debug)]
+pub struct PatternSource {
+    desc: FrameDesc,
+    allocator: Allocator,
+    clock: Clock,
+    sequence: u64,
+    frames: Option<u64>,
+}
+
+impl PatternSource {
+    /// A pattern of `width x height` in `format` at `rate` frames per second; `frames` limits the
+    /// stream (`None`: endless).
+    pub fn new(
+        width: usize,
+        height: usize,
+        format: PixelFormat,
+        rate: f64,
+        pacing: Pacing,
+        frames: Option<u64>,
+    ) -> Result<PatternSource, Error> {
+        if format == PixelFormat::Rgb24 {
+            return Err(Error::Unsupported {
+                what: "RGB24 patterns (the pattern source makes YUV)",
+            });
+        }
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(Error::BadFrame {
+                what: format!("frame rate {rate} must be positive"),
+            });
+        }
+        Ok(PatternSource {
+            desc: FrameDesc::new(width, height, format)?,
+            allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
+            clock: Clock::new(pacing, rate),
+            sequence: 0,
+            frames,
+        })
+    }
+
+    /// The pattern's YUV at pixel `(x, y)` of frame `n`: eight colour bars moving right by
+    /// 4 pixels per frame, over a vertical luma ramp.
+    pub fn sample(width: usize, height: usize, n: u64, x: usize, y: usize) -> (u8, u8, u8) {
+        // BT.601 limited-range bars: white, yellow, cyan, green, magenta, red, blue, black.
+        const BARS: [(u8, u8, u8); 8] = [
+            (235, 128, 128),
+            (210, 16, 146),
+            (170, 166, 16),
+            (145, 54, 34),
+            (106, 202, 222),
+            (81, 90, 240),
+            (41, 240, 110),
+            (16, 128, 128),
+        ];
+        let shifted = (x + 4 * n as usize) % width;
+        let (by, u, v) = BARS[shifted * 8 / width];
+        let ramp = (y * 64 / height) as i32 - 32;
+        ((i32::from(by) + ramp).clamp(16, 235) as u8, u, v)
+    }
+}
+
+impl FrameSource for PatternSource {
+    fn desc(&self) -> FrameDesc {
+        self.desc
+    }
+
+    fn rate(&self) -> Option<f64> {
+        Some(self.clock.rate)
+    }
+
+    fn timeline(&self) -> Arc<dyn Timeline> {
+        self.clock.timeline.clone()
+    }
+
+    fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
+        if self.frames.is_some_and(|f| self.sequence >= f) {
+            return Ok(None);
+        }
+        let d = self.desc;
+        let buffer = self
+            .allocator
+            .allocate(d.byte_len())
+            .map_err(Error::Memory)?;
+        {
+            let mut w = buffer
+                .cpu_access(0..d.byte_len(), Access::Write)
+                .map_err(Error::Memory)?;
+            let bytes = w.bytes_mut().map_err(Error::Memory)?;
+            write_pattern(&d, bytes, self.sequence);
+        }
+        let sequence = self.sequence;
+        self.sequence += 1;
+        let ready = self.clock.publish(sequence)?;
+        Ok(Some(Frame {
+            buffer: Arc::new(buffer),
+            desc: d,
+            timestamp: self.clock.timestamp(sequence),
+            sequence,
+            ready,
+        }))
+    }
+}
+
+/// Writes frame `n` of the pattern into `bytes` (laid out per `d`).
+fn write_pattern(d: &FrameDesc, bytes: &mut [u8], n: u64) {
+    let planes = d.planes();
+    let s = |x, y| PatternSource::sample(d.width, d.height, n, x, y);
+    match d.format {
+        PixelFormat::Yuyv => {
+            for y in 0..d.height {
+                for x in (0..d.width).step_by(2) {
+                    let (y0, u, v) = s(x, y);
+                    let (y1, _, _) = s(x + 1, y);
+                    let o = y * planes[0].stride + x * 2;
+                    bytes[o..o + 4].copy_from_slice(&[y0, u, y1, v]);
+                }
+            }
+        }
+        _ => {
+            for y in 0..d.height {
+                for x in 0..d.width {
+                    bytes[y * planes[0].stride + x] = s(x, y).0;
+                }
+            }
+            let (cw, ch) = (planes[1].width, planes[1].height);
+            let (fx, fy) = (d.width / cw, d.height / ch);
+            for cy in 0..ch {
+                for cx in 0..cw {
+                    let (_, u, v) = s(cx * fx, cy * fy);
+                    if d.format == PixelFormat::Nv12 {
+                        let o = planes[1].offset + cy * planes[1].stride + cx * 2;
+                        bytes[o] = u;
+                        bytes[o + 1] = v;
+                    } else {
+                        bytes[planes[1].offset + cy * planes[1].stride + cx] = u;
+                        bytes[planes[2].offset + cy * planes[2].stride + cx] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Counts the bytes a reader delivers, so a stream that ends inside a frame is told apart from
+/// one that ends between frames (the y4m crate reports both as end of file).
+struct Counted<R> {
+    inner: R,
+    count: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<R: std::io::Read> std::io::Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.count
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Frames from a YUV4MPEG2 file (8-bit 4:2:0, 4:2:2 or 4:4:4).
+pub struct Y4mSource<R: BufRead + Send> {
+    decoder: y4m::Decoder<Counted<R>>,
+    consumed: Arc<std::sync::atomic::AtomicU64>,
+    /// Bytes consumed when the last whole frame ended.
+    frame_end: u64,
+    desc: FrameDesc,
+    allocator: Allocator,
+    clock: Clock,
+    sequence: u64,
+    ledger: Arc<StageCopies>,
+}
+
+impl Y4mSource<std::io::BufReader<std::fs::File>> {
+    /// Opens a Y4M file.
+    pub fn open(path: &Path, pacing: Pacing) -> Result<Self, Error> {
+        let file = std::fs::File::open(path).map_err(|e| Error::Io {
+            what: path.display().to_string(),
+            error: e.to_string(),
+        })?;
+        Y4mSource::new(std::io::BufReader::new(file), pacing)
+    }
+}
+
+impl<R: BufRead + Send> Y4mSource<R> {
+    /// Reads the stream header from `reader`; an unsupported or malformed header is an error.
+    pub fn new(reader: R, pacing: Pacing) -> Result<Self, Error> {
+        // Frames larger than 256 MiB are refused before any allocation.
+        let limits = y4m::Limits { bytes: 256 << 20 };
+        let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = Counted {
+            inner: reader,
+            count: Arc::clone(&consumed),
+        };
+        let decoder = y4m::Decoder::new_with_limits(counted, limits).map_err(y4m_error)?;
+        let frame_end = consumed.load(std::sync::atomic::Ordering::Relaxed);
+        let format = match decoder.get_colorspace() {
+            y4m::Colorspace::C420
+            | y4m::Colorspace::C420jpeg
+            | y4m::Colorspace::C420paldv
+            | y4m::Colorspace::C420mpeg2 => PixelFormat::I420,
+            y4m::Colorspace::C422 => PixelFormat::Yuv422p,
+            y4m::Colorspace::C444 => PixelFormat::Yuv444p,
+            other => {
+                return Err(Error::Unsupported {
+                    what: unsupported_colorspace(other),
+                });
+            }
+        };
+        let desc = FrameDesc::new(decoder.get_width(), decoder.get_height(), format)?;
+        let r = decoder.get_framerate();
+        let rate = if r.num > 0 && r.den > 0 {
+            r.num as f64 / r.den as f64
+        } else {
+            30.0
+        };
+        Ok(Y4mSource {
+            decoder,
+            consumed,
+            frame_end,
+            desc,
+            allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
+            clock: Clock::new(pacing, rate),
+            sequence: 0,
+            ledger: CopyLedger::global().stage("y4m-read"),
+        })
+    }
+}
+
+fn unsupported_colorspace(c: y4m::Colorspace) -> &'static str {
+    match c {
+        y4m::Colorspace::Cmono | y4m::Colorspace::Cmono12 => "Y4M monochrome (no chroma planes)",
+        _ => "Y4M with more than 8 bits per sample",
+    }
+}
+
+fn y4m_error(e: y4m::Error) -> Error {
+    Error::Y4m {
+        what: format!("{e:?}"),
+    }
+}
+
+impl<R: BufRead + Send> std::fmt::Debug for Y4mSource<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Y4mSource")
+            .field("desc", &self.desc)
+            .field("sequence", &self.sequence)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
+    fn desc(&self) -> FrameDesc {
+        self.desc
+    }
+
+    fn rate(&self) -> Option<f64> {
+        Some(self.clock.rate)
+    }
+
+    fn timeline(&self) -> Arc<dyn Timeline> {
+        self.clock.timeline.clone()
+    }
+
+    fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
+        let frame = match self.decoder.read_frame() {
+            Ok(f) => f,
+            Err(y4m::Error::EOF) => {
+                let now = self.consumed.load(std::sync::atomic::Ordering::Relaxed);
+                if now > self.frame_end {
+                    return Err(Error::Y4m {
+                        what: format!(
+                            "stream truncated inside frame {}: {} bytes after the last whole frame",
+                            self.sequence,
+                            now - self.frame_end
+                        ),
+                    });
+                }
+                return Ok(None);
+            }
+            Err(e) => return Err(y4m_error(e)),
+        };
+        self.frame_end = self.consumed.load(std::sync::atomic::Ordering::Relaxed);
+        let d = self.desc;
+        let buffer = self
+            .allocator
+            .allocate(d.byte_len())
+            .map_err(Error::Memory)?;
+        {
+            let mut w = buffer
+                .cpu_access(0..d.byte_len(), Access::Write)
+                .map_err(Error::Memory)?;
+            let bytes = w.bytes_mut().map_err(Error::Memory)?;
+            let planes = d.planes();
+            for (plane, src) in planes.iter().zip([
+                frame.get_y_plane(),
+                frame.get_u_plane(),
+                frame.get_v_plane(),
+            ]) {
+                let len = plane.stride * plane.height;
+                if src.len() != len {
+                    return Err(Error::BadFrame {
+                        what: format!("Y4M plane of {} bytes, expected {len}", src.len()),
+                    });
+                }
+                // The y4m crate decodes into its own buffer: moving the planes into the unified
+                // buffer is a copy, and it is counted.
+                self.ledger
+                    .copy(&mut bytes[plane.offset..plane.offset + len], src)
+                    .map_err(Error::Memory)?;
+            }
+        }
+        let sequence = self.sequence;
+        self.sequence += 1;
+        let ready = self.clock.publish(sequence)?;
+        Ok(Some(Frame {
+            buffer: Arc::new(buffer),
+            desc: d,
+            timestamp: self.clock.timestamp(sequence),
+            sequence,
+            ready,
+        }))
+    }
+}
