@@ -575,6 +575,53 @@ mod kv {
     }
 }
 
+mod isp {
+    //! isp-v4l2: the fused pass from a 1920x1080 NV12 frame to a normalised f32 tensor of
+    //! 512x512 (SmolVLM's input) and 224x224, one thread (the scalar reference today).
+
+    use std::hint::black_box;
+    use std::time::Duration;
+
+    use criterion::{BenchmarkId, Criterion, Throughput};
+    use isp_v4l2::isp::{Preprocess, preprocess};
+    use isp_v4l2::{FrameSource, Pacing, PatternSource, PixelFormat};
+    use uvm_alloc::Access;
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let mut src = PatternSource::new(
+            1920,
+            1080,
+            PixelFormat::Nv12,
+            60.0,
+            Pacing::AsFastAsPossible,
+            None,
+        )
+        .unwrap();
+        let frame = src.next_frame().unwrap().unwrap();
+        let guard = frame
+            .buffer
+            .cpu_access(0..frame.desc.byte_len(), Access::Read)
+            .unwrap();
+        let mut group = c.benchmark_group("isp_fused");
+        group
+            .sample_size(10)
+            .measurement_time(Duration::from_secs(3));
+        group.throughput(Throughput::Elements(1));
+        for size in [512usize, 224] {
+            let p = Preprocess {
+                width: size,
+                height: size,
+                ..Default::default()
+            };
+            let mut out = vec![0f32; 3 * size * size];
+            group.bench_function(BenchmarkId::new("nv12-1080p-to-f32", size), |b| {
+                b.iter(|| preprocess(&frame.desc, black_box(guard.bytes()), &p, &mut out).unwrap())
+            });
+        }
+        group.finish();
+    }
+}
+
 criterion_group!(
     benches,
     bandwidth::bench,
@@ -582,6 +629,7 @@ criterion_group!(
     mx::gemv,
     sync::handoff,
     uvm::bench,
-    kv::bench
+    kv::bench,
+    isp::bench
 );
 criterion_main!(benches);

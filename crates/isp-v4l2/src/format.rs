@@ -121,7 +121,36 @@ impl FrameDesc {
     /// The Y, U and V samples at pixel `(x, y)` (chroma of the 2x2 or 2x1 block that holds it).
     /// `bytes` must be [`FrameDesc::byte_len`] long; RGB frames are not YUV and return `None`.
     pub fn yuv_at(&self, bytes: &[u8], x: usize, y: usize) -> Option<(u8, u8, u8)> {
-        let p = self.planes();
+        Sampler::new(self).yuv(bytes, x, y)
+    }
+}
+
+/// Reads YUV samples of one frame layout without recomputing the plane layout per pixel.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sampler {
+    format: PixelFormat,
+    p: [Plane; 3],
+}
+
+impl Sampler {
+    pub(crate) fn new(desc: &FrameDesc) -> Sampler {
+        let planes = desc.planes();
+        let empty = Plane {
+            offset: 0,
+            stride: 0,
+            width: 0,
+            height: 0,
+        };
+        Sampler {
+            format: desc.format,
+            p: std::array::from_fn(|i| planes.get(i).copied().unwrap_or(empty)),
+        }
+    }
+
+    /// See [`FrameDesc::yuv_at`].
+    #[inline(always)]
+    pub(crate) fn yuv(&self, bytes: &[u8], x: usize, y: usize) -> Option<(u8, u8, u8)> {
+        let p = &self.p;
         Some(match self.format {
             PixelFormat::Nv12 => {
                 let c = p[1].offset + (y / 2) * p[1].stride + (x / 2) * 2;

@@ -6,7 +6,7 @@
 //! This is the scalar reference; SIMD and WGSL variants are to be tested against it.
 
 use crate::Error;
-use crate::format::FrameDesc;
+use crate::format::{FrameDesc, Sampler};
 
 /// YUV -> RGB matrix.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -66,9 +66,15 @@ impl Coefficients {
     /// RGB in 0..=255 (unclamped) of one YUV sample.
     #[inline]
     pub fn rgb(&self, y: u8, u: u8, v: u8) -> [f32; 3] {
-        let y = (f32::from(y) - self.y_offset) * self.y_scale;
-        let cb = (f32::from(u) - 128.0) * self.c_scale;
-        let cr = (f32::from(v) - 128.0) * self.c_scale;
+        self.rgb_f32([f32::from(y), f32::from(u), f32::from(v)])
+    }
+
+    /// [`Coefficients::rgb`] of an interpolated (fractional) YUV sample.
+    #[inline]
+    pub fn rgb_f32(&self, [y, u, v]: [f32; 3]) -> [f32; 3] {
+        let y = (y - self.y_offset) * self.y_scale;
+        let cb = (u - 128.0) * self.c_scale;
+        let cr = (v - 128.0) * self.c_scale;
         [
             y + self.r_cr * cr,
             y + self.g_cb * cb + self.g_cr * cr,
@@ -223,11 +229,12 @@ pub fn preprocess<T: OutElem>(
         });
     }
     let c = Coefficients::new(p.matrix, p.range);
-    let rgb_at = |x: usize, y: usize| {
-        let (yy, u, v) = desc
-            .yuv_at(bytes, crop.x + x, crop.y + y)
+    let sampler = Sampler::new(desc);
+    let yuv_at = |x: usize, y: usize| {
+        let (yy, u, v) = sampler
+            .yuv(bytes, crop.x + x, crop.y + y)
             .expect("checked YUV and bounds");
-        c.rgb(yy, u, v)
+        [f32::from(yy), f32::from(u), f32::from(v)]
     };
     let (sx, sy) = (
         crop.width as f32 / p.width as f32,
@@ -235,26 +242,33 @@ pub fn preprocess<T: OutElem>(
     );
     let scale: [f32; 3] = std::array::from_fn(|i| 1.0 / (255.0 * p.std[i]));
     let bias: [f32; 3] = std::array::from_fn(|i| -p.mean[i] / p.std[i]);
+    // Bilinear taps per output column and row, computed once.
+    let taps = |o: usize, s: f32, len: usize| {
+        let f = ((o as f32 + 0.5) * s - 0.5).clamp(0.0, (len - 1) as f32);
+        let i0 = f as usize;
+        (i0, (i0 + 1).min(len - 1), f - i0 as f32)
+    };
+    let cols: Vec<(usize, usize, f32)> = (0..p.width).map(|o| taps(o, sx, crop.width)).collect();
     for oy in 0..p.height {
-        for ox in 0..p.width {
+        let (y0, y1, ay) = taps(oy, sy, crop.height);
+        for (ox, &(x0, x1, ax)) in cols.iter().enumerate() {
             let rgb = match p.resize {
+                // YUV -> RGB is affine, so interpolating YUV and converting once equals converting
+                // the four taps and interpolating RGB (up to float rounding), at a quarter of the
+                // work.
                 Resize::Bilinear => {
-                    let fx = ((ox as f32 + 0.5) * sx - 0.5).clamp(0.0, (crop.width - 1) as f32);
-                    let fy = ((oy as f32 + 0.5) * sy - 0.5).clamp(0.0, (crop.height - 1) as f32);
-                    let (x0, y0) = (fx as usize, fy as usize);
-                    let (x1, y1) = ((x0 + 1).min(crop.width - 1), (y0 + 1).min(crop.height - 1));
-                    let (ax, ay) = (fx - x0 as f32, fy - y0 as f32);
-                    let (p00, p10, p01, p11) = (
-                        rgb_at(x0, y0),
-                        rgb_at(x1, y0),
-                        rgb_at(x0, y1),
-                        rgb_at(x1, y1),
+                    let (a, b, cc, d) = (
+                        yuv_at(x0, y0),
+                        yuv_at(x1, y0),
+                        yuv_at(x0, y1),
+                        yuv_at(x1, y1),
                     );
-                    std::array::from_fn(|i| {
-                        let top = p00[i] + (p10[i] - p00[i]) * ax;
-                        let bottom = p01[i] + (p11[i] - p01[i]) * ax;
+                    let mix: [f32; 3] = std::array::from_fn(|i| {
+                        let top = a[i] + (b[i] - a[i]) * ax;
+                        let bottom = cc[i] + (d[i] - cc[i]) * ax;
                         top + (bottom - top) * ay
-                    })
+                    });
+                    c.rgb_f32(mix)
                 }
                 Resize::Area => {
                     let (x0, x1) = (
@@ -268,7 +282,7 @@ pub fn preprocess<T: OutElem>(
                     let mut sum = [0f32; 3];
                     for y in y0..y1.max(y0 + 1) {
                         for x in x0..x1.max(x0 + 1) {
-                            let v = rgb_at(x, y);
+                            let v = c.rgb_f32(yuv_at(x, y)).map(|v| v.clamp(0.0, 255.0));
                             for i in 0..3 {
                                 sum[i] += v[i];
                             }
