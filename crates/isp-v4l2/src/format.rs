@@ -175,4 +175,14 @@ impl Sampler {
             PixelFormat::Rgb24 => return None,
         })
     }
+
+    /// The R, G, B samples at `(x, y)` of an RGB24 frame (`None` for YUV layouts).
+    #[inline(always)]
+    pub(crate) fn rgb(&self, bytes: &[u8], x: usize, y: usize) -> Option<[u8; 3]> {
+        if self.format != PixelFormat::Rgb24 {
+            return None;
+        }
+        let o = y * self.p[0].stride + 3 * x;
+        Some([bytes[o], bytes[o + 1], bytes[o + 2]])
+    }
 }

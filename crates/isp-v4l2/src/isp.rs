@@ -186,7 +186,8 @@ fn check_bytes(desc: &FrameDesc, bytes: &[u8]) -> Result<(), Error> {
     Ok(())
 }
 
-/// The fused pass: `out` receives `3 * width * height` values in `p.layout`.
+/// The fused pass: `out` receives `3 * width * height` values in `p.layout`. RGB24 input skips
+/// the colour conversion (the matrix and range are then unused).
 pub fn preprocess<T: OutElem>(
     desc: &FrameDesc,
     bytes: &[u8],
@@ -223,19 +224,18 @@ pub fn preprocess<T: OutElem>(
             what: format!("output holds {} values, needs {}", out.len(), 3 * n),
         });
     }
-    if desc.yuv_at(bytes, 0, 0).is_none() {
-        return Err(Error::Unsupported {
-            what: "RGB input to the YUV preprocessing pass",
-        });
-    }
     let c = Coefficients::new(p.matrix, p.range);
     let sampler = Sampler::new(desc);
-    let yuv_at = |x: usize, y: usize| {
-        let (yy, u, v) = sampler
-            .yuv(bytes, crop.x + x, crop.y + y)
-            .expect("checked YUV and bounds");
-        [f32::from(yy), f32::from(u), f32::from(v)]
+    let is_rgb = desc.format == crate::PixelFormat::Rgb24;
+    // Samples in the frame's own space (YUV, or RGB for RGB24 input); `to_rgb` maps them.
+    let yuv_at = |x: usize, y: usize| match sampler.yuv(bytes, crop.x + x, crop.y + y) {
+        Some((yy, u, v)) => [f32::from(yy), f32::from(u), f32::from(v)],
+        None => sampler
+            .rgb(bytes, crop.x + x, crop.y + y)
+            .expect("RGB24 when not YUV")
+            .map(f32::from),
     };
+    let to_rgb = |s: [f32; 3]| if is_rgb { s } else { c.rgb_f32(s) };
     let (sx, sy) = (
         crop.width as f32 / p.width as f32,
         crop.height as f32 / p.height as f32,
@@ -268,7 +268,7 @@ pub fn preprocess<T: OutElem>(
                         let bottom = cc[i] + (d[i] - cc[i]) * ax;
                         top + (bottom - top) * ay
                     });
-                    c.rgb_f32(mix)
+                    to_rgb(mix)
                 }
                 Resize::Area => {
                     let (x0, x1) = (
@@ -282,7 +282,7 @@ pub fn preprocess<T: OutElem>(
                     let mut sum = [0f32; 3];
                     for y in y0..y1.max(y0 + 1) {
                         for x in x0..x1.max(x0 + 1) {
-                            let v = c.rgb_f32(yuv_at(x, y)).map(|v| v.clamp(0.0, 255.0));
+                            let v = to_rgb(yuv_at(x, y)).map(|v| v.clamp(0.0, 255.0));
                             for i in 0..3 {
                                 sum[i] += v[i];
                             }

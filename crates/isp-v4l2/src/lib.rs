@@ -11,8 +11,11 @@
 //! - [`isp`]: the scalar reference of the fused pass (YUV -> RGB with BT.601/BT.709, limited or
 //!   full range, crop, bilinear or area resize, mean/std normalisation, f32/f16, CHW/HWC).
 //!
-//! Still to come with issue #7: V4L2 capture (feature `v4l2`), image-file sources, the SIMD and
-//! WGSL ISP kernels, the ffmpeg agreement fixtures, the `pipeline isp` command and benches.
+//! - [`ImageSource`] (PNG/JPEG files and folders through the `image` crate) and
+//!   [`open_source`], which parses `pattern:`/`file:`/`camera:` specs.
+//!
+//! Still to come with issue #7: V4L2 capture (feature `v4l2`), the SIMD and WGSL ISP kernels,
+//! resize agreement with ffmpeg.
 //!
 //! # Design
 //! - One object-safe frame-source trait; each frame carries its buffer, format, timestamp,
@@ -27,12 +30,17 @@
 
 #![forbid(unsafe_code)]
 
+/// The README's example, compiled and run as a doctest so it cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;
+
 mod format;
 pub mod isp;
 mod source;
 
 pub use format::{FrameDesc, PixelFormat, Plane};
-pub use source::{Frame, FrameSource, Pacing, PatternSource, Y4mSource};
+pub use source::{Frame, FrameSource, ImageSource, Pacing, PatternSource, Y4mSource, open_source};
 
 /// Why a source or the ISP refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -412,3 +412,196 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
         }))
     }
 }
+
+/// Still images as frames: one file, or every PNG/JPEG in a folder (sorted by name), decoded by
+/// the `image` crate to RGB24.
+#[derive(Debug)]
+pub struct ImageSource {
+    paths: Vec<std::path::PathBuf>,
+    desc: Option<FrameDesc>,
+    allocator: Allocator,
+    clock: Clock,
+    sequence: u64,
+    ledger: Arc<StageCopies>,
+}
+
+impl ImageSource {
+    /// A file or a folder of images, delivered at `rate` frames per second.
+    pub fn open(path: &Path, rate: f64, pacing: Pacing) -> Result<ImageSource, Error> {
+        let io = |e: std::io::Error| Error::Io {
+            what: path.display().to_string(),
+            error: e.to_string(),
+        };
+        let paths = if path.is_dir() {
+            let mut p: Vec<_> = std::fs::read_dir(path)
+                .map_err(io)?
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.extension().and_then(|e| e.to_str()).is_some_and(|e| {
+                        matches!(e.to_ascii_lowercase().as_str(), "png" | "jpg" | "jpeg")
+                    })
+                })
+                .collect();
+            p.sort();
+            if p.is_empty() {
+                return Err(Error::Io {
+                    what: path.display().to_string(),
+                    error: "no PNG or JPEG files".into(),
+                });
+            }
+            p
+        } else {
+            std::fs::metadata(path).map_err(io)?;
+            vec![path.to_owned()]
+        };
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(Error::BadFrame {
+                what: format!("frame rate {rate} must be positive"),
+            });
+        }
+        let mut source = ImageSource {
+            paths,
+            desc: None,
+            allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
+            clock: Clock::new(pacing, rate),
+            sequence: 0,
+            ledger: CopyLedger::global().stage("image-decode"),
+        };
+        // The first image fixes the frame size; later images of another size are an error.
+        let first = source.decode(0)?;
+        source.desc = Some(FrameDesc::new(
+            first.width() as usize,
+            first.height() as usize,
+            PixelFormat::Rgb24,
+        )?);
+        Ok(source)
+    }
+
+    fn decode(&self, index: usize) -> Result<image::RgbImage, Error> {
+        let path = &self.paths[index];
+        let img = image::open(path).map_err(|e| Error::Io {
+            what: path.display().to_string(),
+            error: e.to_string(),
+        })?;
+        Ok(img.into_rgb8())
+    }
+}
+
+impl FrameSource for ImageSource {
+    fn desc(&self) -> FrameDesc {
+        self.desc.expect("set in open")
+    }
+
+    fn rate(&self) -> Option<f64> {
+        Some(self.clock.rate)
+    }
+
+    fn timeline(&self) -> Arc<dyn Timeline> {
+        self.clock.timeline.clone()
+    }
+
+    fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
+        let index = self.sequence as usize;
+        if index >= self.paths.len() {
+            return Ok(None);
+        }
+        let d = self.desc();
+        let img = self.decode(index)?;
+        if (img.width() as usize, img.height() as usize) != (d.width, d.height) {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "{} is {}x{}, the stream is {}x{}",
+                    self.paths[index].display(),
+                    img.width(),
+                    img.height(),
+                    d.width,
+                    d.height
+                ),
+            });
+        }
+        let buffer = self
+            .allocator
+            .allocate(d.byte_len())
+            .map_err(Error::Memory)?;
+        {
+            let mut w = buffer
+                .cpu_access(0..d.byte_len(), Access::Write)
+                .map_err(Error::Memory)?;
+            // The decoder writes its own buffer: moving it into the unified buffer is counted.
+            self.ledger
+                .copy(w.bytes_mut().map_err(Error::Memory)?, img.as_raw())
+                .map_err(Error::Memory)?;
+        }
+        let sequence = self.sequence;
+        self.sequence += 1;
+        let ready = self.clock.publish(sequence)?;
+        Ok(Some(Frame {
+            buffer: Arc::new(buffer),
+            desc: d,
+            timestamp: self.clock.timestamp(sequence),
+            sequence,
+            ready,
+        }))
+    }
+}
+
+/// Opens a source from a command-line spec:
+/// - `pattern:WIDTHxHEIGHT@FPS[:nv12|i420|yuyv]` (NV12 by default),
+/// - `file:PATH` for a `.y4m` file, a PNG/JPEG image or a folder of them (images at 1 frame/s),
+/// - `camera:/dev/videoN` (V4L2; not built yet, so this is an `Unsupported` error).
+pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, Error> {
+    let bad = |why: &str| Error::BadFrame {
+        what: format!("source `{spec}`: {why}"),
+    };
+    let (kind, rest) = spec
+        .split_once(':')
+        .ok_or_else(|| bad("expected pattern:..., file:... or camera:..."))?;
+    match kind {
+        "pattern" => {
+            let (size_rate, format) = match rest.rsplit_once(':') {
+                Some((a, f)) => (a, f),
+                None => (rest, "nv12"),
+            };
+            let format = match format {
+                "nv12" => PixelFormat::Nv12,
+                "i420" => PixelFormat::I420,
+                "yuyv" => PixelFormat::Yuyv,
+                other => return Err(bad(&format!("unknown pattern format {other}"))),
+            };
+            let (size, rate) = size_rate.split_once('@').unwrap_or((size_rate, "30"));
+            let (w, h) = size
+                .split_once('x')
+                .ok_or_else(|| bad("size must be WIDTHxHEIGHT"))?;
+            let parse = |s: &str| {
+                s.parse::<usize>()
+                    .map_err(|_| bad("size must be WIDTHxHEIGHT"))
+            };
+            let rate: f64 = rate.parse().map_err(|_| bad("rate must be a number"))?;
+            Ok(Box::new(PatternSource::new(
+                parse(w)?,
+                parse(h)?,
+                format,
+                rate,
+                pacing,
+                None,
+            )?))
+        }
+        "file" => {
+            let path = Path::new(rest);
+            let ext = path
+                .extension()
+                .and_then(|e| e.to_str())
+                .map(str::to_ascii_lowercase);
+            if ext.as_deref() == Some("y4m") {
+                Ok(Box::new(Y4mSource::open(path, pacing)?))
+            } else {
+                Ok(Box::new(ImageSource::open(path, 1.0, pacing)?))
+            }
+        }
+        "camera" => Err(Error::Unsupported {
+            what: "V4L2 camera capture is not built yet (isp-v4l2 feature `v4l2`, issue #7); use pattern: or file:",
+        }),
+        other => Err(bad(&format!("unknown source kind {other}"))),
+    }
+}

@@ -251,21 +251,20 @@ fn fused_pass_matches_rgb_then_resize() {
         preprocess(&d, &bytes, &p, &mut out[1..]),
         Err(Error::BadFrame { .. })
     ));
+    // RGB24 input skips the colour conversion: a flat grey stays grey.
     let rgb_desc = FrameDesc::new(4, 4, PixelFormat::Rgb24).unwrap();
-    assert!(matches!(
-        preprocess(
-            &rgb_desc,
-            &[0; 48],
-            &Preprocess {
-                width: 2,
-                height: 2,
-                crop: None,
-                ..p
-            },
-            &mut [0f32; 12]
-        ),
-        Err(Error::Unsupported { .. })
-    ));
+    let mut grey = [0f32; 12];
+    let small = Preprocess {
+        width: 2,
+        height: 2,
+        crop: None,
+        ..p
+    };
+    preprocess(&rgb_desc, &[51; 48], &small, &mut grey).unwrap();
+    assert!(
+        grey.iter().all(|v| (v - (0.2 - 0.5) / 0.5).abs() < 1e-6),
+        "{grey:?}"
+    );
     // f16 output agrees with f32 to f16 precision.
     let mut out16 = vec![half::f16::ZERO; out.len()];
     preprocess(&d, &bytes, &p, &mut out16).unwrap();
