@@ -57,6 +57,8 @@ struct Clock {
     rate: f64,
     start: Option<Instant>,
     timeline: Arc<CpuTimeline>,
+    /// The sequence number of the next frame.
+    next: u64,
 }
 
 impl Clock {
@@ -66,6 +68,7 @@ impl Clock {
             rate,
             start: None,
             timeline: Arc::new(CpuTimeline::new(0)),
+            next: 0,
         }
     }
 
@@ -87,6 +90,20 @@ impl Clock {
             .map_err(Error::Timeline)?;
         Ok(sequence + 1)
     }
+
+    /// Numbers, paces and announces a filled frame: the one way every source emits a frame.
+    fn deliver(&mut self, buffer: UnifiedBuffer, desc: FrameDesc) -> Result<Frame, Error> {
+        let sequence = self.next;
+        self.next += 1;
+        let ready = self.publish(sequence)?;
+        Ok(Frame {
+            buffer: Arc::new(buffer),
+            desc,
+            timestamp: self.timestamp(sequence),
+            sequence,
+            ready,
+        })
+    }
 }
 
 /// A synthetic moving test pattern (colour bars sliding over a luma ramp) at any size and rate.
@@ -95,7 +112,6 @@ pub struct PatternSource {
     desc: FrameDesc,
     allocator: Allocator,
     clock: Clock,
-    sequence: u64,
     frames: Option<u64>,
 }
 
@@ -124,7 +140,6 @@ impl PatternSource {
             desc: FrameDesc::new(width, height, format)?,
             allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
             clock: Clock::new(pacing, rate),
-            sequence: 0,
             frames,
         })
     }
@@ -164,7 +179,7 @@ impl FrameSource for PatternSource {
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
-        if self.frames.is_some_and(|f| self.sequence >= f) {
+        if self.frames.is_some_and(|f| self.clock.next >= f) {
             return Ok(None);
         }
         let d = self.desc;
@@ -177,18 +192,9 @@ impl FrameSource for PatternSource {
                 .cpu_access(0..d.byte_len(), Access::Write)
                 .map_err(Error::Memory)?;
             let bytes = w.bytes_mut().map_err(Error::Memory)?;
-            write_pattern(&d, bytes, self.sequence);
+            write_pattern(&d, bytes, self.clock.next);
         }
-        let sequence = self.sequence;
-        self.sequence += 1;
-        let ready = self.clock.publish(sequence)?;
-        Ok(Some(Frame {
-            buffer: Arc::new(buffer),
-            desc: d,
-            timestamp: self.clock.timestamp(sequence),
-            sequence,
-            ready,
-        }))
+        Ok(Some(self.clock.deliver(buffer, d)?))
     }
 }
 
@@ -257,7 +263,6 @@ pub struct Y4mSource<R: BufRead + Send> {
     desc: FrameDesc,
     allocator: Allocator,
     clock: Clock,
-    sequence: u64,
     ledger: Arc<StageCopies>,
 }
 
@@ -311,7 +316,6 @@ impl<R: BufRead + Send> Y4mSource<R> {
             desc,
             allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
             clock: Clock::new(pacing, rate),
-            sequence: 0,
             ledger: CopyLedger::global().stage("y4m-read"),
         })
     }
@@ -334,7 +338,7 @@ impl<R: BufRead + Send> std::fmt::Debug for Y4mSource<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Y4mSource")
             .field("desc", &self.desc)
-            .field("sequence", &self.sequence)
+            .field("sequence", &self.clock.next)
             .finish_non_exhaustive()
     }
 }
@@ -361,7 +365,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
                     return Err(Error::Y4m {
                         what: format!(
                             "stream truncated inside frame {}: {} bytes after the last whole frame",
-                            self.sequence,
+                            self.clock.next,
                             now - self.frame_end
                         ),
                     });
@@ -400,16 +404,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
                     .map_err(Error::Memory)?;
             }
         }
-        let sequence = self.sequence;
-        self.sequence += 1;
-        let ready = self.clock.publish(sequence)?;
-        Ok(Some(Frame {
-            buffer: Arc::new(buffer),
-            desc: d,
-            timestamp: self.clock.timestamp(sequence),
-            sequence,
-            ready,
-        }))
+        Ok(Some(self.clock.deliver(buffer, d)?))
     }
 }
 
@@ -421,7 +416,6 @@ pub struct ImageSource {
     desc: Option<FrameDesc>,
     allocator: Allocator,
     clock: Clock,
-    sequence: u64,
     ledger: Arc<StageCopies>,
 }
 
@@ -465,7 +459,6 @@ impl ImageSource {
             desc: None,
             allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
             clock: Clock::new(pacing, rate),
-            sequence: 0,
             ledger: CopyLedger::global().stage("image-decode"),
         };
         // The first image fixes the frame size; later images of another size are an error.
@@ -502,7 +495,7 @@ impl FrameSource for ImageSource {
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
-        let index = self.sequence as usize;
+        let index = self.clock.next as usize;
         if index >= self.paths.len() {
             return Ok(None);
         }
@@ -533,16 +526,7 @@ impl FrameSource for ImageSource {
                 .copy(w.bytes_mut().map_err(Error::Memory)?, img.as_raw())
                 .map_err(Error::Memory)?;
         }
-        let sequence = self.sequence;
-        self.sequence += 1;
-        let ready = self.clock.publish(sequence)?;
-        Ok(Some(Frame {
-            buffer: Arc::new(buffer),
-            desc: d,
-            timestamp: self.clock.timestamp(sequence),
-            sequence,
-            ready,
-        }))
+        Ok(Some(self.clock.deliver(buffer, d)?))
     }
 }
 

@@ -108,12 +108,17 @@ impl Allocator {
     }
 }
 
+/// The alignment every mapping and size is rounded to: the page, or the cache line if larger.
+fn mapping_alignment(cache_line: usize) -> usize {
+    rustix::param::page_size().max(cache_line)
+}
+
 /// `size` rounded up to the page and the cache line; zero and overflow are errors.
 pub fn rounded_size(size: usize, cache_line: usize) -> Result<usize, Error> {
     if size == 0 {
         return Err(Error::ZeroSize);
     }
-    let align = rustix::param::page_size().max(cache_line);
+    let align = mapping_alignment(cache_line);
     size.checked_next_multiple_of(align)
         .ok_or(Error::TooLarge { size })
 }
@@ -192,7 +197,7 @@ fn dma_heap(
         ptr,
         mapped,
         size,
-        rustix::param::page_size().max(cache_line),
+        mapping_alignment(cache_line),
         Some(buf),
         true,
         Backend::DmaHeap {
@@ -230,7 +235,7 @@ fn memfd(
         ptr,
         mapped,
         size,
-        rustix::param::page_size().max(cache_line),
+        mapping_alignment(cache_line),
         Some(fd),
         false,
         Backend::Memfd,
@@ -262,7 +267,7 @@ fn udmabuf(
         ptr,
         mapped,
         size,
-        rustix::param::page_size().max(cache_line),
+        mapping_alignment(cache_line),
         Some(buf),
         true,
         Backend::Udmabuf,
@@ -291,7 +296,7 @@ fn host(size: usize, mapped: usize, cache_line: usize) -> Result<UnifiedBuffer, 
         ptr,
         mapped,
         size,
-        rustix::param::page_size().max(cache_line),
+        mapping_alignment(cache_line),
         None,
         false,
         Backend::Host,
@@ -352,7 +357,7 @@ fn gbm(size: usize, mapped: usize, cache_line: usize) -> Result<UnifiedBuffer, E
         ptr,
         mapped,
         size,
-        rustix::param::page_size().max(cache_line),
+        mapping_alignment(cache_line),
         Some(fd),
         true,
         Backend::Gbm {
