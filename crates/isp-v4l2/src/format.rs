@@ -147,6 +147,11 @@ impl Sampler {
         }
     }
 
+    /// Bytes per row of the first plane.
+    pub(crate) fn luma_stride(&self) -> usize {
+        self.p[0].stride
+    }
+
     /// See [`FrameDesc::yuv_at`].
     #[inline(always)]
     pub(crate) fn yuv(&self, bytes: &[u8], x: usize, y: usize) -> Option<(u8, u8, u8)> {

@@ -236,6 +236,49 @@ pub fn preprocess<T: OutElem>(
             .map(f32::from),
     };
     let to_rgb = |s: [f32; 3]| if is_rgb { s } else { c.rgb_f32(s) };
+    // The loop is monomorphised per sampler, so the common camera layouts (NV12, I420) read
+    // their planes without a per-sample format dispatch.
+    let (w0, planes) = (sampler.luma_stride(), desc.planes());
+    match desc.format {
+        crate::PixelFormat::Nv12 => {
+            let c0 = planes[1].offset;
+            fused(p, crop, n, out, to_rgb, |x, y| {
+                let (x, y) = (crop.x + x, crop.y + y);
+                let c = c0 + (y / 2) * w0 + (x / 2) * 2;
+                [
+                    f32::from(bytes[y * w0 + x]),
+                    f32::from(bytes[c]),
+                    f32::from(bytes[c + 1]),
+                ]
+            })
+        }
+        crate::PixelFormat::I420 => {
+            let (u0, v0, cw) = (planes[1].offset, planes[2].offset, planes[1].stride);
+            fused(p, crop, n, out, to_rgb, |x, y| {
+                let (x, y) = (crop.x + x, crop.y + y);
+                let c = (y / 2) * cw + x / 2;
+                [
+                    f32::from(bytes[y * w0 + x]),
+                    f32::from(bytes[u0 + c]),
+                    f32::from(bytes[v0 + c]),
+                ]
+            })
+        }
+        _ => fused(p, crop, n, out, to_rgb, yuv_at),
+    }
+    Ok(())
+}
+
+/// The fused loop over output pixels, for one sampler (`sample(x, y)` in crop coordinates).
+#[inline(always)]
+fn fused<T: OutElem>(
+    p: &Preprocess,
+    crop: Crop,
+    n: usize,
+    out: &mut [T],
+    to_rgb: impl Fn([f32; 3]) -> [f32; 3],
+    yuv_at: impl Fn(usize, usize) -> [f32; 3],
+) {
     let (sx, sy) = (
         crop.width as f32 / p.width as f32,
         crop.height as f32 / p.height as f32,
@@ -303,7 +346,6 @@ pub fn preprocess<T: OutElem>(
             }
         }
     }
-    Ok(())
 }
 
 /// An output element type of [`preprocess`].
