@@ -165,6 +165,18 @@ pub(crate) fn pow2(e: i32) -> f64 {
     f64::from_bits(((1023 + e) as u64) << 52)
 }
 
+/// `2^e` as an f32 for `e` in `-149..=127`, subnormals included: the scale factors every SIMD
+/// kernel multiplies by (exact, unlike `exp2`).
+#[inline(always)]
+pub(crate) fn pow2_f32(e: i32) -> f32 {
+    debug_assert!((-149..=127).contains(&e));
+    if e >= -126 {
+        f32::from_bits(((e + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1 << (e + 149))
+    }
+}
+
 /// `floor(log2(x))` for a finite positive f32, subnormals included, from its bits.
 pub(crate) fn floor_log2(x: f32) -> i32 {
     let bits = x.to_bits() & 0x7FFF_FFFF;

@@ -36,9 +36,10 @@ pub enum SpinPolicy {
 }
 
 impl Default for SpinPolicy {
-    /// Adaptive, 20 microseconds: longer than a futex round trip (about 3-5 us here), so a
-    /// handoff that is about to happen is caught spinning, and short enough that a wrong guess
-    /// costs little.
+    /// Adaptive, 20 microseconds: on the order of a futex wake-up (25 us one way on the CI VM,
+    /// 3-5 us on bare metal; `cargo bench -p benches --bench bench_main -- sync_`), so a handoff
+    /// that is about to happen is caught spinning, and short enough that a wrong guess costs
+    /// little.
     fn default() -> SpinPolicy {
         SpinPolicy::Adaptive(Duration::from_micros(20))
     }
@@ -91,7 +92,7 @@ impl CpuTimeline {
     fn spin_until(&self, value: u64, budget: Duration, deadline: Instant) -> bool {
         let stop = (Instant::now() + budget).min(deadline);
         loop {
-            // Check the clock only every few dozen iterations: `Instant::now` costs ~20 ns.
+            // Check the clock only every few dozen iterations: reading it costs more than a load.
             for _ in 0..64 {
                 if self.value.load(SeqCst) >= value {
                     return true;

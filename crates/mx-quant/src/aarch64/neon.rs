@@ -11,16 +11,7 @@ use core::arch::aarch64::*;
 
 use crate::format::{BLOCK, ElemFormat, Rounding, SCALE_BIAS, SCALE_NAN, ScaleRule};
 use crate::gemv::{IntMap, Q8Activations, TILE_ROWS};
-use crate::reference;
-
-#[inline(always)]
-fn pow2_f32(e: i32) -> f32 {
-    if e >= -126 {
-        f32::from_bits(((e + 127) as u32) << 23)
-    } else {
-        f32::from_bits(1 << (e + 149))
-    }
-}
+use crate::reference::{self, pow2_f32};
 
 #[target_feature(enable = "neon")]
 pub(crate) fn quantize_block(

@@ -13,18 +13,7 @@
 use core::arch::x86_64::*;
 
 use crate::format::{BLOCK, ElemFormat, Rounding, SCALE_BIAS, SCALE_NAN, ScaleRule};
-use crate::reference;
-
-/// `2^e` as an f32 for `e` in `-149..=127`, subnormals included.
-#[inline(always)]
-pub(crate) fn pow2_f32(e: i32) -> f32 {
-    debug_assert!((-149..=127).contains(&e));
-    if e >= -126 {
-        f32::from_bits(((e + 127) as u32) << 23)
-    } else {
-        f32::from_bits(1 << (e + 149))
-    }
-}
+use crate::reference::{self, pow2_f32};
 
 /// Quantizes one block; `rule` is [`ScaleRule::Floor`] or [`ScaleRule::Rceil`].
 #[target_feature(enable = "avx2,fma")]
