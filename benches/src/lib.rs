@@ -33,8 +33,7 @@ pub fn read_sum(words: &[u64]) -> u64 {
 
 /// [`read_sum`] over `threads` contiguous parts of `words` in parallel (scoped threads spawned per
 /// call: tens of microseconds against the 3.5-5 ms the `bandwidth` group measured for a 128 MiB
-/// pass, so the ceiling it reports
-/// is at most a few percent low).
+/// pass, so the ceiling it reports is at most a few percent low).
 pub fn read_sum_parallel(words: &[u64], threads: usize) -> u64 {
     let threads = threads.max(1);
     let part = words.len().div_ceil(threads).max(1);

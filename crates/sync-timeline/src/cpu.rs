@@ -38,9 +38,8 @@ pub enum SpinPolicy {
 impl Default for SpinPolicy {
     /// Adaptive, 20 microseconds: on the order of a futex wake-up (25 us one way on the CI VM,
     /// 3.1 us in the futex measurement issue #4 quotes; `cargo bench -p benches --bench
-    /// bench_main -- sync_` prints it), so a handoff
-    /// that is about to happen is caught spinning, and short enough that a wrong guess costs
-    /// little.
+    /// bench_main -- sync_` prints it), so a handoff that is about to happen is caught spinning,
+    /// and short enough that a wrong guess costs little.
     fn default() -> SpinPolicy {
         SpinPolicy::Adaptive(Duration::from_micros(20))
     }
