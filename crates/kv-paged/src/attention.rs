@@ -87,13 +87,19 @@ pub fn decode(
         out.fill(0.0);
         return Ok(());
     }
-    let group = q_heads / l.kv_heads;
-    let scale = default_scale(hd);
     let guard = cache
         .buffer()
         .cpu_access(0..cache.buffer().len(), uvm_alloc::Access::Read)
         .map_err(Error::Memory)?;
-    let bytes = guard.bytes();
+    let ctx = DecodeCtx {
+        cache,
+        bytes: guard.bytes(),
+        table: &table,
+        len,
+        layer,
+        group: q_heads / l.kv_heads,
+        q,
+    };
     let threads = threads.clamp(1, q_heads);
     let per = q_heads.div_ceil(threads);
     let mut all_probs = vec![0f32; if probs.is_some() { q_heads * len } else { 0 }];
@@ -102,39 +108,7 @@ pub fn decode(
                 out: &mut [f32],
                 probs_out: &mut [f32]|
      -> Result<(), Error> {
-        let mut scratch = Vec::new();
-        let mut scores = vec![0f32; heads.len() * len];
-        let mut h = heads.start;
-        while h < heads.end {
-            let g = h / group;
-            let last = heads.end.min((g + 1) * group);
-            let hs = h..last;
-            cache.for_each_vector(bytes, &table, len, layer, g, false, &mut scratch, |t, k| {
-                for qh in hs.clone() {
-                    scores[(qh - heads.start) * len + t] =
-                        dot(&q[qh * hd..(qh + 1) * hd], k) * scale;
-                }
-            })?;
-            for qh in hs.clone() {
-                softmax(&mut scores[(qh - heads.start) * len..(qh - heads.start + 1) * len]);
-                out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd].fill(0.0);
-            }
-            cache.for_each_vector(bytes, &table, len, layer, g, true, &mut scratch, |t, v| {
-                for qh in hs.clone() {
-                    let p = scores[(qh - heads.start) * len + t];
-                    axpy(
-                        &mut out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd],
-                        p,
-                        v,
-                    );
-                }
-            })?;
-            h = last;
-        }
-        if want_probs {
-            probs_out.copy_from_slice(&scores);
-        }
-        Ok(())
+        ctx.heads(heads, out, want_probs.then_some(probs_out))
     };
     if threads == 1 {
         work(0..q_heads, out, &mut all_probs)?;
@@ -165,6 +139,135 @@ pub fn decode(
         *p = all_probs;
     }
     Ok(())
+}
+
+/// Decode attention for query heads `heads` only (`out` holds `heads.len() * head_dim` values):
+/// the building block for callers that split heads over their own worker pool instead of
+/// letting [`decode`] spawn threads. Arguments as in [`decode`].
+pub fn decode_heads(
+    cache: &KvCache,
+    seq: SeqId,
+    layer: usize,
+    q_heads: usize,
+    heads: std::ops::Range<usize>,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), Error> {
+    let l = *cache.layout();
+    let hd = l.head_dim;
+    if q_heads == 0
+        || !q_heads.is_multiple_of(l.kv_heads)
+        || q.len() != q_heads * hd
+        || heads.start > heads.end
+        || heads.end > q_heads
+        || out.len() != heads.len() * hd
+    {
+        return Err(Error::BadConfig {
+            what: "decode_heads: q_heads must be a multiple of kv_heads, q q_heads * head_dim long, heads within q_heads and out heads.len() * head_dim long",
+        });
+    }
+    if layer >= l.layers {
+        return Err(Error::BadConfig {
+            what: "decode: layer out of range",
+        });
+    }
+    let table = cache.manager().block_table(seq)?;
+    let len = cache.manager().len(seq)?;
+    if len == 0 || heads.is_empty() {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let guard = cache
+        .buffer()
+        .cpu_access(0..cache.buffer().len(), uvm_alloc::Access::Read)
+        .map_err(Error::Memory)?;
+    let ctx = DecodeCtx {
+        cache,
+        bytes: guard.bytes(),
+        table,
+        len,
+        layer,
+        group: q_heads / l.kv_heads,
+        q,
+    };
+    ctx.heads(heads, out, None)
+}
+
+/// What one decode computation reads: the mapped cache, the sequence's table and the queries.
+struct DecodeCtx<'a> {
+    cache: &'a KvCache,
+    bytes: &'a [u8],
+    table: &'a [crate::BlockId],
+    len: usize,
+    layer: usize,
+    group: usize,
+    q: &'a [f32],
+}
+
+impl DecodeCtx<'_> {
+    /// Attention for query heads `heads` into `out` (`heads.len() * head_dim`), the
+    /// probabilities into `probs_out` (`heads.len() * len`) when given.
+    fn heads(
+        &self,
+        heads: std::ops::Range<usize>,
+        out: &mut [f32],
+        probs_out: Option<&mut [f32]>,
+    ) -> Result<(), Error> {
+        let hd = self.cache.layout().head_dim;
+        let (len, q, group) = (self.len, self.q, self.group);
+        let scale = default_scale(hd);
+        let mut scratch = Vec::new();
+        let mut scores = vec![0f32; heads.len() * len];
+        let mut h = heads.start;
+        while h < heads.end {
+            let g = h / group;
+            let last = heads.end.min((g + 1) * group);
+            let hs = h..last;
+            self.cache.for_each_vector(
+                self.bytes,
+                self.table,
+                len,
+                self.layer,
+                g,
+                false,
+                &mut scratch,
+                |t, k| {
+                    for qh in hs.clone() {
+                        scores[(qh - heads.start) * len + t] =
+                            dot(&q[qh * hd..(qh + 1) * hd], k) * scale;
+                    }
+                },
+            )?;
+            for qh in hs.clone() {
+                softmax(&mut scores[(qh - heads.start) * len..(qh - heads.start + 1) * len]);
+                out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd].fill(0.0);
+            }
+            self.cache.for_each_vector(
+                self.bytes,
+                self.table,
+                len,
+                self.layer,
+                g,
+                true,
+                &mut scratch,
+                |t, v| {
+                    for qh in hs.clone() {
+                        let p = scores[(qh - heads.start) * len + t];
+                        axpy(
+                            &mut out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd],
+                            p,
+                            v,
+                        );
+                    }
+                },
+            )?;
+            h = last;
+        }
+        if let Some(p) = probs_out {
+            p.copy_from_slice(&scores);
+        }
+        Ok(())
+    }
 }
 
 /// Causal prefill attention: `n = q.len() / (q_heads * head_dim)` queries at positions

@@ -16,4 +16,5 @@ compile_error!(
     "the generated UAPI assumes the asm-generic ioctl encoding; regenerate for this architecture"
 );
 
+pub(crate) mod ioctl;
 pub mod uapi;

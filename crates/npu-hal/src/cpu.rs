@@ -1,0 +1,765 @@
+//! The CPU reference NPU: runs [`Op`] programs on a persistent [`WorkerPool`] with mx-quant's
+//! runtime-dispatched SIMD kernels (AVX-512, AVX2, NEON, scalar).
+//!
+//! Parallel ops (linear layers, decode attention) split their output rows or heads into one
+//! contiguous share per pool part; every part writes only its own slices, handed to it through a
+//! per-part lock that is never contended. Element-wise ops run on the submitting thread: on one
+//! token they take less time than waking a worker would.
+
+use std::ops::Range;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use mx_quant::Isa;
+use mx_quant::gemv::Q8Activations;
+use uvm_alloc::{Access, Allocator, AllocatorDesc, UnifiedBuffer};
+
+use crate::Error;
+use crate::device::{
+    Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
+    WeightId,
+};
+use crate::kernels::{self, MAX_ROPE_HEAD_DIM};
+use crate::pool::{WorkerPool, share};
+
+/// How to build a [`CpuNpu`].
+#[derive(Clone, Debug)]
+pub struct CpuConfig {
+    /// Pool parts (0 = one per core).
+    pub threads: usize,
+    /// Where activation tensors are allocated (the default picks the best unified backend).
+    pub allocator: AllocatorDesc,
+    /// How long a submission waits for its `wait` value before failing.
+    pub wait_timeout: Duration,
+    /// Instruction set of the MX kernels (`None` = the best this CPU has, or `MX_QUANT_ISA`).
+    pub isa: Option<Isa>,
+}
+
+impl Default for CpuConfig {
+    fn default() -> Self {
+        CpuConfig {
+            threads: 0,
+            allocator: AllocatorDesc::default(),
+            wait_timeout: Duration::from_secs(30),
+            isa: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CpuTensor {
+    width: usize,
+    max_rows: usize,
+    buffer: UnifiedBuffer,
+}
+
+/// The CPU reference NPU.
+#[derive(Debug)]
+pub struct CpuNpu {
+    pool: WorkerPool,
+    isa: Isa,
+    allocator: Allocator,
+    wait_timeout: Duration,
+    weights: Vec<Weight>,
+    tensors: Vec<CpuTensor>,
+    /// Per-row int8 activations for MX linear layers, reused across ops.
+    q8: Vec<Q8Activations>,
+    /// RoPE inverse frequencies per `(head_dim, theta bits)`.
+    rope_freqs: Vec<((usize, u32), Vec<f32>)>,
+}
+
+impl CpuNpu {
+    /// Starts the worker pool and the allocator.
+    pub fn new(config: CpuConfig) -> Result<CpuNpu, Error> {
+        let isa = config.isa.unwrap_or_else(Isa::detect);
+        Ok(CpuNpu {
+            pool: WorkerPool::new(config.threads).map_err(Error::Threads)?,
+            isa,
+            allocator: Allocator::new(config.allocator)?,
+            wait_timeout: config.wait_timeout,
+            weights: Vec::new(),
+            tensors: Vec::new(),
+            q8: Vec::new(),
+            rope_freqs: Vec::new(),
+        })
+    }
+
+    /// The pool's parts.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// The unified buffer behind a tensor (for engines that import it).
+    pub fn tensor_buffer(&self, tensor: TensorId) -> Option<&UnifiedBuffer> {
+        self.tensors.get(tensor.0 as usize).map(|t| &t.buffer)
+    }
+
+    fn tensor(&self, id: TensorId, op: usize) -> Result<&CpuTensor, Error> {
+        self.tensors.get(id.0 as usize).ok_or_else(|| Error::BadOp {
+            op,
+            what: format!("tensor {} does not exist on this device", id.0),
+        })
+    }
+
+    fn weight(&self, id: WeightId, op: usize) -> Result<&Weight, Error> {
+        self.weights.get(id.0 as usize).ok_or_else(|| Error::BadOp {
+            op,
+            what: format!("weight {} does not exist on this device", id.0),
+        })
+    }
+
+    /// Checks one op against the shapes of what it names and the batch, before anything runs.
+    fn check(
+        &self,
+        i: usize,
+        op: &Op,
+        b: &Batch<'_>,
+        kv: Option<&kv_paged::KvCache>,
+    ) -> Result<(), Error> {
+        let n = b.tokens.len();
+        let bad = |what: String| Err(Error::BadOp { op: i, what });
+        let rows_ok = |t: &CpuTensor, rows: usize| rows <= t.max_rows;
+        match *op {
+            Op::Embed { table, out } => {
+                let (_, cols) = self.weight(table, i)?.shape();
+                let o = self.tensor(out, i)?;
+                if cols != o.width || !rows_ok(o, n) {
+                    return bad(format!(
+                        "embed: table width {cols} vs output width {} / {} rows for {n} tokens",
+                        o.width, o.max_rows
+                    ));
+                }
+            }
+            Op::RmsNorm { x, weight, out, .. } => {
+                let (r, c) = self.weight(weight, i)?.shape();
+                let (x, o) = (self.tensor(x, i)?, self.tensor(out, i)?);
+                if r != 1 || c != x.width || x.width != o.width || !rows_ok(x, n) || !rows_ok(o, n)
+                {
+                    return bad(format!(
+                        "rms_norm: gain ({r}x{c}), input width {}, output width {} must agree",
+                        x.width, o.width
+                    ));
+                }
+            }
+            Op::Linear {
+                weight,
+                x,
+                out,
+                rows,
+            } => {
+                let (r, c) = self.weight(weight, i)?.shape();
+                let (xt, o) = (self.tensor(x, i)?, self.tensor(out, i)?);
+                if x == out || c != xt.width || r != o.width || !rows_ok(xt, n) {
+                    return bad(format!(
+                        "linear: weight {r}x{c} needs input width {c} (got {}) and output width {r} (got {}), distinct tensors",
+                        xt.width, o.width
+                    ));
+                }
+                let out_rows = match rows {
+                    Rows::All => n,
+                    Rows::Selected => {
+                        if b.select.start > b.select.end || b.select.end > n {
+                            return bad(format!(
+                                "linear: select {:?} outside the batch of {n}",
+                                b.select
+                            ));
+                        }
+                        b.select.len()
+                    }
+                };
+                if !rows_ok(o, out_rows) {
+                    return bad(format!(
+                        "linear: output holds {} rows, {out_rows} needed",
+                        o.max_rows
+                    ));
+                }
+            }
+            Op::Rope { x, head_dim, .. } => {
+                let t = self.tensor(x, i)?;
+                if head_dim == 0
+                    || !head_dim.is_multiple_of(2)
+                    || head_dim > MAX_ROPE_HEAD_DIM
+                    || !t.width.is_multiple_of(head_dim)
+                    || !rows_ok(t, n)
+                {
+                    return bad(format!(
+                        "rope: head_dim {head_dim} must be even, <= {MAX_ROPE_HEAD_DIM} and divide the width {}",
+                        t.width
+                    ));
+                }
+            }
+            Op::SwiGlu { gate, up, out } => {
+                let (g, u, o) = (
+                    self.tensor(gate, i)?,
+                    self.tensor(up, i)?,
+                    self.tensor(out, i)?,
+                );
+                if out == gate
+                    || out == up
+                    || g.width != u.width
+                    || g.width != o.width
+                    || !rows_ok(g, n)
+                    || !rows_ok(u, n)
+                    || !rows_ok(o, n)
+                {
+                    return bad(
+                        "swiglu: gate, up and out must have one width and out be distinct".into(),
+                    );
+                }
+            }
+            Op::Add { acc, x } => {
+                let (a, xt) = (self.tensor(acc, i)?, self.tensor(x, i)?);
+                if acc == x || a.width != xt.width || !rows_ok(a, n) || !rows_ok(xt, n) {
+                    return bad("add: acc and x must be distinct tensors of one width".into());
+                }
+            }
+            Op::Attention {
+                layer,
+                q,
+                k,
+                v,
+                out,
+                q_heads,
+            } => {
+                let Some(kv) = kv else {
+                    return bad("attention needs a KV cache in the submission".into());
+                };
+                let l = kv.layout();
+                let (qt, kt, vt, o) = (
+                    self.tensor(q, i)?,
+                    self.tensor(k, i)?,
+                    self.tensor(v, i)?,
+                    self.tensor(out, i)?,
+                );
+                let kvw = l.kv_heads * l.head_dim;
+                if layer >= l.layers
+                    || q_heads == 0
+                    || !q_heads.is_multiple_of(l.kv_heads)
+                    || qt.width != q_heads * l.head_dim
+                    || kt.width != kvw
+                    || vt.width != kvw
+                    || o.width != qt.width
+                    || out == q
+                    || b.slots.len() != n
+                    || ![qt, kt, vt, o].iter().all(|t| rows_ok(t, n))
+                {
+                    return bad(format!(
+                        "attention: layer {layer} of {}, {q_heads} query heads over {} KV heads of {}, q/k/v/out widths {}/{}/{}/{}, {} slots for {n} tokens",
+                        l.layers,
+                        l.kv_heads,
+                        l.head_dim,
+                        qt.width,
+                        kt.width,
+                        vt.width,
+                        o.width,
+                        b.slots.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run(
+        &mut self,
+        i: usize,
+        op: &Op,
+        b: &Batch<'_>,
+        kv: Option<&mut kv_paged::KvCache>,
+    ) -> Result<(), Error> {
+        let n = b.tokens.len();
+        match *op {
+            Op::Embed { table, out } => {
+                let w = &self.weights[table.0 as usize];
+                let o = &self.tensors[out.0 as usize];
+                let mut g = o.buffer.cpu_access(0..n * o.width * 4, Access::Write)?;
+                let dst = g.typed_mut::<f32>()?;
+                let (rows, _) = w.shape();
+                for (t, row) in b.tokens.iter().zip(dst.chunks_exact_mut(o.width)) {
+                    let t = *t as usize;
+                    if t >= rows {
+                        return Err(Error::BadOp {
+                            op: i,
+                            what: format!(
+                                "embed: token id {t} is outside the vocabulary of {rows}"
+                            ),
+                        });
+                    }
+                    match w {
+                        Weight::Mx(m) => m.dequantize_row(t, row)?,
+                        Weight::Dense(d) => row.copy_from_slice(d.row(t)),
+                        Weight::Vector(v) => row.copy_from_slice(v),
+                    }
+                }
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                eps,
+                out,
+            } => {
+                let Weight::Vector(gain) = &self.weights[weight.0 as usize] else {
+                    return Err(Error::BadOp {
+                        op: i,
+                        what: "rms_norm: the gain must be a vector weight".into(),
+                    });
+                };
+                let (xt, o) = (&self.tensors[x.0 as usize], &self.tensors[out.0 as usize]);
+                let w = xt.width;
+                let gx = xt.buffer.cpu_access(0..n * w * 4, Access::Read)?;
+                if x == out {
+                    drop(gx);
+                    let mut go = o.buffer.cpu_access(0..n * w * 4, Access::Write)?;
+                    let mut tmp = vec![0f32; w];
+                    for row in go.typed_mut::<f32>()?.chunks_exact_mut(w) {
+                        kernels::rms_norm(row, gain, eps, &mut tmp);
+                        row.copy_from_slice(&tmp);
+                    }
+                } else {
+                    let mut go = o.buffer.cpu_access(0..n * w * 4, Access::Write)?;
+                    for (src, dst) in gx
+                        .typed::<f32>()?
+                        .chunks_exact(w)
+                        .zip(go.typed_mut::<f32>()?.chunks_exact_mut(w))
+                    {
+                        kernels::rms_norm(src, gain, eps, dst);
+                    }
+                }
+            }
+            Op::Linear {
+                weight,
+                x,
+                out,
+                rows,
+            } => {
+                let (in_rows, out_rows) = match rows {
+                    Rows::All => (0..n, n),
+                    Rows::Selected => (b.select.clone(), b.select.len()),
+                };
+                let CpuNpu {
+                    pool,
+                    isa,
+                    weights,
+                    tensors,
+                    q8,
+                    ..
+                } = self;
+                let w = &weights[weight.0 as usize];
+                let (xt, o) = (&tensors[x.0 as usize], &tensors[out.0 as usize]);
+                let gx = xt.buffer.cpu_access(
+                    in_rows.start * xt.width * 4..in_rows.end * xt.width * 4,
+                    Access::Read,
+                )?;
+                let mut go = o
+                    .buffer
+                    .cpu_access(0..out_rows * o.width * 4, Access::Write)?;
+                linear(
+                    pool,
+                    *isa,
+                    w,
+                    gx.typed::<f32>()?,
+                    go.typed_mut::<f32>()?,
+                    out_rows,
+                    q8,
+                )?;
+            }
+            Op::Rope {
+                x,
+                head_dim,
+                theta,
+                style,
+            } => {
+                let key = (head_dim, theta.to_bits());
+                let freqs = match self.rope_freqs.iter().position(|(k, _)| *k == key) {
+                    Some(p) => p,
+                    None => {
+                        self.rope_freqs
+                            .push((key, kernels::rope_inv_freq(head_dim, theta)));
+                        self.rope_freqs.len() - 1
+                    }
+                };
+                let inv = &self.rope_freqs[freqs].1;
+                let t = &self.tensors[x.0 as usize];
+                let mut g = t.buffer.cpu_access(0..n * t.width * 4, Access::Write)?;
+                for (r, row) in g.typed_mut::<f32>()?.chunks_exact_mut(t.width).enumerate() {
+                    kernels::rope(row, head_dim, b.first_pos + r, inv, style);
+                }
+            }
+            Op::SwiGlu { gate, up, out } => {
+                let ts = &self.tensors;
+                let len = n * ts[gate.0 as usize].width * 4;
+                let gg = ts[gate.0 as usize]
+                    .buffer
+                    .cpu_access(0..len, Access::Read)?;
+                let gu = ts[up.0 as usize].buffer.cpu_access(0..len, Access::Read)?;
+                let mut go = ts[out.0 as usize]
+                    .buffer
+                    .cpu_access(0..len, Access::Write)?;
+                kernels::swiglu(
+                    gg.typed::<f32>()?,
+                    gu.typed::<f32>()?,
+                    go.typed_mut::<f32>()?,
+                );
+            }
+            Op::Add { acc, x } => {
+                let ts = &self.tensors;
+                let len = n * ts[acc.0 as usize].width * 4;
+                let gx = ts[x.0 as usize].buffer.cpu_access(0..len, Access::Read)?;
+                let mut ga = ts[acc.0 as usize]
+                    .buffer
+                    .cpu_access(0..len, Access::Write)?;
+                kernels::add_in_place(ga.typed_mut::<f32>()?, gx.typed::<f32>()?);
+            }
+            Op::Attention {
+                layer,
+                q,
+                k,
+                v,
+                out,
+                q_heads,
+            } => {
+                let Some(kv) = kv else {
+                    return Err(Error::BadOp {
+                        op: i,
+                        what: "attention needs a KV cache".into(),
+                    });
+                };
+                let ts = &self.tensors;
+                let (qt, kt, vt, o) = (
+                    &ts[q.0 as usize],
+                    &ts[k.0 as usize],
+                    &ts[v.0 as usize],
+                    &ts[out.0 as usize],
+                );
+                {
+                    let gk = kt.buffer.cpu_access(0..n * kt.width * 4, Access::Read)?;
+                    let gv = vt.buffer.cpu_access(0..n * vt.width * 4, Access::Read)?;
+                    for ((slot, kr), vr) in b
+                        .slots
+                        .iter()
+                        .zip(gk.typed::<f32>()?.chunks_exact(kt.width))
+                        .zip(gv.typed::<f32>()?.chunks_exact(vt.width))
+                    {
+                        kv.write(layer, *slot, kr, vr)?;
+                    }
+                }
+                let gq = qt.buffer.cpu_access(0..n * qt.width * 4, Access::Read)?;
+                let mut go = o.buffer.cpu_access(0..n * o.width * 4, Access::Write)?;
+                let (qs, outs) = (gq.typed::<f32>()?, go.typed_mut::<f32>()?);
+                let kv: &kv_paged::KvCache = kv;
+                if n == 1 {
+                    decode_attention(&self.pool, kv, b.seq, layer, q_heads, qs, outs)?;
+                } else {
+                    kv_paged::attention::prefill(kv, b.seq, layer, q_heads, b.first_pos, qs, outs)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `out[t] = W x[t]` for `tokens` rows, split over the pool by row tiles.
+fn linear(
+    pool: &WorkerPool,
+    isa: Isa,
+    w: &Weight,
+    x: &[f32],
+    out: &mut [f32],
+    tokens: usize,
+    q8: &mut Vec<Q8Activations>,
+) -> Result<(), Error> {
+    let (rows, cols) = w.shape();
+    let parts = pool.threads();
+    // One contiguous share of output rows per part, cut at 16-row tiles.
+    let spans: Vec<Range<usize>> = (0..parts)
+        .map(|p| share(p, parts, rows, mx_quant::gemv::TILE_ROWS))
+        .collect();
+    let mut per_part: Vec<Mutex<Vec<&mut [f32]>>> = (0..parts)
+        .map(|_| Mutex::new(Vec::with_capacity(tokens)))
+        .collect();
+    for row in out.chunks_exact_mut(rows).take(tokens) {
+        let mut rest = row;
+        for (span, part) in spans.iter().zip(per_part.iter_mut()) {
+            let (mine, tail) = rest.split_at_mut(span.len());
+            part.get_mut().unwrap_or_else(|e| e.into_inner()).push(mine);
+            rest = tail;
+        }
+    }
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    let fail = |e: Error| {
+        failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(e);
+    };
+    match w {
+        Weight::Mx(m) if m.supports_q8() => {
+            if q8.len() < tokens {
+                q8.resize_with(tokens, Q8Activations::default);
+            }
+            for (t, act) in q8.iter_mut().take(tokens).enumerate() {
+                act.requantize(&x[t * cols..(t + 1) * cols])?;
+            }
+            let xs: Vec<&Q8Activations> = q8[..tokens].iter().collect();
+            pool.run(&|p| {
+                let span = &spans[p];
+                if span.is_empty() {
+                    return;
+                }
+                let tiles = span.start / mx_quant::gemv::TILE_ROWS
+                    ..span.end.div_ceil(mx_quant::gemv::TILE_ROWS);
+                let mut ys = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(e) = m.gemm_q8(isa, &xs, &mut ys, tiles) {
+                    fail(e.into());
+                }
+            });
+        }
+        Weight::Mx(m) => {
+            let xs: Vec<&[f32]> = x.chunks_exact(cols).take(tokens).collect();
+            pool.run(&|p| {
+                let span = &spans[p];
+                if span.is_empty() {
+                    return;
+                }
+                let tiles = span.start / mx_quant::gemv::TILE_ROWS
+                    ..span.end.div_ceil(mx_quant::gemv::TILE_ROWS);
+                let mut ys = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+                if let Err(e) = m.gemm_f32(isa, &xs, &mut ys, tiles) {
+                    fail(e.into());
+                }
+            });
+        }
+        Weight::Dense(d) => {
+            pool.run(&|p| {
+                let span = &spans[p];
+                if span.is_empty() {
+                    return;
+                }
+                let mut ys = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+                d.gemm_rows(&x[..tokens * cols], span.clone(), &mut ys);
+            });
+        }
+        Weight::Vector(_) => {
+            return Err(Error::BadOp {
+                op: usize::MAX,
+                what: "linear: a vector weight is not a matrix".into(),
+            });
+        }
+    }
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Decode attention of one token, query heads split over the pool.
+fn decode_attention(
+    pool: &WorkerPool,
+    kv: &kv_paged::KvCache,
+    seq: kv_paged::SeqId,
+    layer: usize,
+    q_heads: usize,
+    q: &[f32],
+    out: &mut [f32],
+) -> Result<(), Error> {
+    let hd = kv.layout().head_dim;
+    let parts = pool.threads().min(q_heads);
+    if parts <= 1 {
+        return Ok(kv_paged::attention::decode_heads(
+            kv,
+            seq,
+            layer,
+            q_heads,
+            0..q_heads,
+            q,
+            out,
+        )?);
+    }
+    let spans: Vec<Range<usize>> = (0..pool.threads())
+        .map(|p| share(p, parts, q_heads, 1))
+        .collect();
+    let mut slices: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(spans.len());
+    let mut rest = out;
+    for s in &spans {
+        let (mine, tail) = rest.split_at_mut(s.len() * hd);
+        slices.push(Mutex::new(mine));
+        rest = tail;
+    }
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    pool.run(&|p| {
+        let Some(span) = spans.get(p).filter(|s| !s.is_empty()) else {
+            return;
+        };
+        let mut o = slices[p].lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) =
+            kv_paged::attention::decode_heads(kv, seq, layer, q_heads, span.clone(), q, &mut o)
+        {
+            failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(e.into());
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+impl Device for CpuNpu {
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo {
+            kind: DeviceKind::Cpu,
+            name: "cpu reference NPU".into(),
+            parallelism: self.pool.threads(),
+            isa: format!("{:?}", self.isa),
+        }
+    }
+
+    fn load_weight(&mut self, weight: Weight) -> Result<WeightId, Error> {
+        let id = u32::try_from(self.weights.len()).map_err(|_| Error::Limit { what: "weights" })?;
+        self.weights.push(weight);
+        Ok(WeightId(id))
+    }
+
+    fn weight_shape(&self, weight: WeightId) -> Option<(usize, usize)> {
+        self.weights.get(weight.0 as usize).map(Weight::shape)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weights.iter().map(Weight::bytes).sum()
+    }
+
+    fn create_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error> {
+        let bytes = width
+            .checked_mul(max_rows)
+            .and_then(|e| e.checked_mul(4))
+            .filter(|&b| b > 0)
+            .ok_or(Error::Limit {
+                what: "tensor size (width * rows * 4 must be > 0 and fit usize)",
+            })?;
+        let id = u32::try_from(self.tensors.len()).map_err(|_| Error::Limit { what: "tensors" })?;
+        let buffer = self.allocator.allocate(bytes)?;
+        self.tensors.push(CpuTensor {
+            width,
+            max_rows,
+            buffer,
+        });
+        Ok(TensorId(id))
+    }
+
+    fn tensor_shape(&self, tensor: TensorId) -> Option<(usize, usize)> {
+        self.tensors
+            .get(tensor.0 as usize)
+            .map(|t| (t.width, t.max_rows))
+    }
+
+    fn submit(&mut self, s: Submission<'_>) -> Result<(), Error> {
+        let Submission {
+            ops,
+            batch,
+            mut kv,
+            wait,
+            signal,
+        } = s;
+        if batch.tokens.is_empty() {
+            return Err(Error::BadOp {
+                op: 0,
+                what: "the batch has no tokens".into(),
+            });
+        }
+        for (i, op) in ops.iter().enumerate() {
+            self.check(i, op, &batch, kv.as_deref())?;
+        }
+        if let Some((timeline, value)) = wait {
+            timeline.wait(value, self.wait_timeout)?;
+        }
+        for (i, op) in ops.iter().enumerate() {
+            self.run(i, op, &batch, kv.as_deref_mut())?;
+        }
+        if let Some((timeline, value)) = signal {
+            timeline.signal(value)?;
+        }
+        Ok(())
+    }
+
+    fn read_tensor(
+        &self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        if rows.start > rows.end || rows.end > t.max_rows || out.len() != rows.len() * t.width {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "read_tensor: rows {rows:?} of {} / output of {} values for width {}",
+                    t.max_rows,
+                    out.len(),
+                    t.width
+                ),
+            });
+        }
+        let g = t.buffer.cpu_access(
+            rows.start * t.width * 4..rows.end * t.width * 4,
+            Access::Read,
+        )?;
+        out.copy_from_slice(g.typed::<f32>()?);
+        Ok(())
+    }
+
+    fn write_tensor(
+        &mut self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        data: &[f32],
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        if rows.start > rows.end || rows.end > t.max_rows || data.len() != rows.len() * t.width {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "write_tensor: rows {rows:?} of {} / input of {} values for width {}",
+                    t.max_rows,
+                    data.len(),
+                    t.width
+                ),
+            });
+        }
+        let mut g = t.buffer.cpu_access(
+            rows.start * t.width * 4..rows.end * t.width * 4,
+            Access::Write,
+        )?;
+        g.typed_mut::<f32>()?.copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// The CPU backend as seen by discovery.
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend {
+    pub config: CpuConfig,
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn probe(&self) -> Vec<Probe> {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        vec![Probe {
+            backend: "cpu",
+            name: format!(
+                "cpu reference NPU ({cores} cores, {:?} kernels)",
+                Isa::detect()
+            ),
+            usable: Ok(()),
+        }]
+    }
+
+    fn open(&self) -> Result<Box<dyn Device>, Error> {
+        Ok(Box::new(CpuNpu::new(self.config.clone())?))
+    }
+}

@@ -1,0 +1,293 @@
+//! The CPU NPU's element-wise kernels and the dense f32 GEMM, each with a scalar definition the
+//! tests hold the fast paths to.
+//!
+//! The element-wise ops work on one token's vector (a few hundred to a few thousand floats) and
+//! are written as plain loops with independent accumulators, which the compiler vectorises. The
+//! dense GEMM (the `exact` weight policy's linear layers) has an AVX2+FMA build picked at run time.
+
+/// Root-mean-square normalisation: `out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert!(x.len() == w.len() && x.len() == out.len());
+    let mut acc = [0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i] * c[i];
+        }
+    }
+    let mean = (acc.iter().sum::<f32>() + tail) / x.len() as f32;
+    let inv = 1.0 / (mean + eps).sqrt();
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
+        *o = v * inv * g;
+    }
+}
+
+/// How the rotary embedding pairs a head's dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i + 1)`: llama.cpp's `LLAMA_ROPE_TYPE_NORM`, which GGUF LLaMA files
+    /// use (the converter permutes Q and K rows to match).
+    Interleaved,
+    /// Pairs `(i, i + d/2)`: Hugging Face's `rotate_half`, as safetensors checkpoints expect.
+    HalfSplit,
+}
+
+/// Inverse frequencies `theta^(-2i/d)` for `i < d/2` (computed in f64, stored as f32).
+pub fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| (f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64)) as f32)
+        .collect()
+}
+
+/// Rotates every head of one token's `x` (`heads * head_dim` values) to position `pos`.
+pub fn rope(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], style: RopeStyle) {
+    let half = head_dim / 2;
+    debug_assert_eq!(inv_freq.len(), half);
+    // The angles are the same for every head: compute them once.
+    let mut cs = [(0f32, 0f32); 256];
+    let cs = &mut cs[..half.min(256)];
+    for (c, &f) in cs.iter_mut().zip(inv_freq) {
+        let angle = pos as f32 * f;
+        *c = (angle.cos(), angle.sin());
+    }
+    for head in x.chunks_exact_mut(head_dim) {
+        for (i, &(cos, sin)) in cs.iter().enumerate() {
+            let (a, b) = match style {
+                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                RopeStyle::HalfSplit => (i, i + half),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * cos - x1 * sin;
+            head[b] = x0 * sin + x1 * cos;
+        }
+    }
+}
+
+/// The largest head dimension [`rope`] supports.
+pub const MAX_ROPE_HEAD_DIM: usize = 512;
+
+/// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+/// `acc += x`.
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+/// Index and value of the largest element (the first on ties); `None` for an empty slice or
+/// when every element is NaN.
+pub fn argmax(x: &[f32]) -> Option<(usize, f32)> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    best
+}
+
+/// `log(sum(exp(x)))`, max-subtracted, accumulated in f64 (perplexity sums thousands of these).
+pub fn log_sum_exp(x: &[f32]) -> f64 {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if !max.is_finite() {
+        return f64::from(max);
+    }
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    f64::from(max) + sum.ln()
+}
+
+/// A dense row-major f32 matrix (`rows x cols`): the `exact` weight policy's storage, holding a
+/// model's source values without requantization.
+#[derive(Clone, Debug)]
+pub struct DenseMatrix {
+    rows: usize,
+    cols: usize,
+    data: Vec<f32>,
+}
+
+impl DenseMatrix {
+    /// Wraps `data` (`rows * cols` values); `None` when the length does not match.
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Option<DenseMatrix> {
+        (rows.checked_mul(cols) == Some(data.len())).then_some(DenseMatrix { rows, cols, data })
+    }
+
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Bytes a GEMV streams.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+
+    /// `ys[t][r - rows.start] = W[r] . x_t` for `r` in `rows`, over the `xs.len() / cols` tokens
+    /// `x_t` of `xs`; each `ys[t]` holds `rows.len()` values (the same calling convention as
+    /// mx-quant's `MxMatrix::gemm_q8`, so a pool splits either kind of weight the same way).
+    pub fn gemm_rows(&self, xs: &[f32], rows: std::ops::Range<usize>, ys: &mut [&mut [f32]]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above), the only requirement
+            // of the target-feature build; the function itself is safe code.
+            unsafe { gemm_rows_avx2(self, xs, rows, ys) };
+            return;
+        }
+        gemm_rows_portable(self, xs, rows, ys);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn gemm_rows_avx2(
+    m: &DenseMatrix,
+    xs: &[f32],
+    rows: std::ops::Range<usize>,
+    ys: &mut [&mut [f32]],
+) {
+    gemm_rows_portable(m, xs, rows, ys);
+}
+
+/// The dense GEMM body, inlined into each target-feature build. Four tokens share each weight
+/// row while it is in L1.
+#[inline(always)]
+fn gemm_rows_portable(
+    m: &DenseMatrix,
+    xs: &[f32],
+    rows: std::ops::Range<usize>,
+    ys: &mut [&mut [f32]],
+) {
+    let cols = m.cols;
+    let tokens = (xs.len() / cols).min(ys.len());
+    for t0 in (0..tokens).step_by(4) {
+        let tn = (tokens - t0).min(4);
+        for r in rows.clone() {
+            let w = m.row(r);
+            for t in t0..t0 + tn {
+                ys[t][r - rows.start] = dot(w, &xs[t * cols..(t + 1) * cols]);
+            }
+        }
+    }
+}
+
+/// Dot product with sixteen independent sums (vectorises to two 8-lane FMA chains with AVX2).
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] = x[i].mul_add(y[i], acc[i]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_the_definition() {
+        let x: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.3).collect();
+        let w: Vec<f32> = (0..37).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let mut out = vec![0.0; 37];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        let ms: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / 37.0;
+        for i in 0..37 {
+            let want = f64::from(x[i]) / (ms + 1e-5).sqrt() * f64::from(w[i]);
+            assert!((f64::from(out[i]) - want).abs() < 1e-5, "{i}");
+        }
+    }
+
+    #[test]
+    fn rope_styles_rotate_the_documented_pairs() {
+        let inv = rope_inv_freq(8, 10000.0);
+        let base: Vec<f32> = (0..16).map(|i| i as f32 + 1.0).collect();
+        for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
+            let mut x = base.clone();
+            rope(&mut x, 8, 3, &inv, style);
+            for h in 0..2 {
+                for i in 0..4 {
+                    let (a, b) = match style {
+                        RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        RopeStyle::HalfSplit => (i, i + 4),
+                    };
+                    let ang = 3.0 * 10000f64.powf(-(2.0 * i as f64) / 8.0);
+                    let (x0, x1) = (f64::from(base[h * 8 + a]), f64::from(base[h * 8 + b]));
+                    let want0 = x0 * ang.cos() - x1 * ang.sin();
+                    let want1 = x0 * ang.sin() + x1 * ang.cos();
+                    assert!((f64::from(x[h * 8 + a]) - want0).abs() < 1e-4);
+                    assert!((f64::from(x[h * 8 + b]) - want1).abs() < 1e-4);
+                }
+            }
+            // Position 0 is the identity.
+            let mut y = base.clone();
+            rope(&mut y, 8, 0, &inv, style);
+            assert_eq!(y, base);
+        }
+    }
+
+    #[test]
+    fn dense_gemm_matches_naive() {
+        let (rows, cols, tokens) = (37, 70, 6);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 104729) % 97) as f32 / 40.0 - 1.2)
+            .collect();
+        let m = DenseMatrix::new(rows, cols, w.clone()).unwrap();
+        let span = 5..30;
+        let mut out = vec![0f32; tokens * span.len()];
+        let mut ys: Vec<&mut [f32]> = out.chunks_mut(span.len()).collect();
+        m.gemm_rows(&x, span.clone(), &mut ys);
+        for t in 0..tokens {
+            for r in span.clone() {
+                let want: f64 = (0..cols)
+                    .map(|k| f64::from(w[r * cols + k]) * f64::from(x[t * cols + k]))
+                    .sum();
+                let got = out[t * span.len() + r - span.start];
+                assert!((f64::from(got) - want).abs() < 1e-4, "{t} {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn argmax_and_lse() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN]), Some((1, 3.0)));
+        assert_eq!(argmax(&[]), None);
+        let lse = log_sum_exp(&[0.0, 0.0]);
+        assert!((lse - 2f64.ln()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn swiglu_is_silu_times_up() {
+        let mut out = [0f32; 3];
+        swiglu(&[0.0, 1.0, -2.0], &[2.0, 3.0, 4.0], &mut out);
+        assert_eq!(out[0], 0.0);
+        assert!((out[1] - 3.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
+        assert!((out[2] - 4.0 * -2.0 / (1.0 + 2f32.exp())).abs() < 1e-6);
+    }
+}
