@@ -107,9 +107,7 @@ pub fn decode(
     let work = |heads: std::ops::Range<usize>,
                 out: &mut [f32],
                 probs_out: &mut [f32]|
-     -> Result<(), Error> {
-        ctx.heads(heads, out, want_probs.then_some(probs_out))
-    };
+     -> Result<(), Error> { ctx.heads(heads, out, want_probs.then_some(probs_out)) };
     if threads == 1 {
         work(0..q_heads, out, &mut all_probs)?;
     } else {

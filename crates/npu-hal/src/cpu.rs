@@ -53,6 +53,15 @@ struct CpuTensor {
     buffer: UnifiedBuffer,
 }
 
+/// Activation buffers reused across ops.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// Per-row int8 activations for MX linear layers.
+    q8: Vec<Q8Activations>,
+    /// Rounded activations for dense linear layers.
+    rounded: Vec<f32>,
+}
+
 /// The CPU reference NPU.
 #[derive(Debug)]
 pub struct CpuNpu {
@@ -62,8 +71,7 @@ pub struct CpuNpu {
     wait_timeout: Duration,
     weights: Vec<Weight>,
     tensors: Vec<CpuTensor>,
-    /// Per-row int8 activations for MX linear layers, reused across ops.
-    q8: Vec<Q8Activations>,
+    scratch: Scratch,
     /// RoPE inverse frequencies per `(head_dim, theta bits)`.
     rope_freqs: Vec<((usize, u32), Vec<f32>)>,
 }
@@ -79,7 +87,7 @@ impl CpuNpu {
             wait_timeout: config.wait_timeout,
             weights: Vec::new(),
             tensors: Vec::new(),
-            q8: Vec::new(),
+            scratch: Scratch::default(),
             rope_freqs: Vec::new(),
         })
     }
@@ -341,7 +349,7 @@ impl CpuNpu {
                     isa,
                     weights,
                     tensors,
-                    q8,
+                    scratch,
                     ..
                 } = self;
                 let w = &weights[weight.0 as usize];
@@ -360,7 +368,7 @@ impl CpuNpu {
                     gx.typed::<f32>()?,
                     go.typed_mut::<f32>()?,
                     out_rows,
-                    q8,
+                    scratch,
                 )?;
             }
             Op::Rope {
@@ -466,8 +474,9 @@ fn linear(
     x: &[f32],
     out: &mut [f32],
     tokens: usize,
-    q8: &mut Vec<Q8Activations>,
+    scratch: &mut Scratch,
 ) -> Result<(), Error> {
+    let Scratch { q8, rounded } = scratch;
     let (rows, cols) = w.shape();
     let parts = pool.threads();
     // One contiguous share of output rows per part, cut at 16-row tiles.
@@ -530,6 +539,16 @@ fn linear(
             });
         }
         Weight::Dense(d) => {
+            let x = match d.activation_rounding() {
+                kernels::ActivationRounding::None => x,
+                r => {
+                    rounded.resize(tokens * cols, 0.0);
+                    for (src, dst) in x.chunks_exact(cols).zip(rounded.chunks_exact_mut(cols)) {
+                        r.apply(src, dst);
+                    }
+                    &rounded[..]
+                }
+            };
             pool.run(&|p| {
                 let span = &spans[p];
                 if span.is_empty() {

@@ -106,19 +106,84 @@ pub fn log_sum_exp(x: &[f32]) -> f64 {
     f64::from(max) + sum.ln()
 }
 
+/// How activations are rounded before a dense GEMM, so a model runs with the activation precision
+/// its source format implies in llama.cpp (whose results the `exact` policy is compared with):
+/// ggml multiplies block-quantized weights with activations quantized to 8 bits per 32-block
+/// (Q8_0/Q8_1), f16 weights with f16 activations, f32 weights with f32 ones.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ActivationRounding {
+    /// f32 activations as they are.
+    #[default]
+    None,
+    /// Rounded to f16.
+    F16,
+    /// Rounded to bf16.
+    Bf16,
+    /// ggml's x86 `quantize_row_q8_0`/`q8_1`: per 32-block `d = amax / 127`,
+    /// `q = round_ties_even(x * 127 / amax)`, value `f16(d) * q`.
+    Q8Block,
+}
+
+impl ActivationRounding {
+    /// Rounds `x` into `out` (same length; a trailing partial block is quantized as a block).
+    pub fn apply(self, x: &[f32], out: &mut [f32]) {
+        match self {
+            ActivationRounding::None => out.copy_from_slice(x),
+            ActivationRounding::F16 => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = half::f16::from_f32(v).to_f32();
+                }
+            }
+            ActivationRounding::Bf16 => {
+                for (o, &v) in out.iter_mut().zip(x) {
+                    *o = half::bf16::from_f32(v).to_f32();
+                }
+            }
+            ActivationRounding::Q8Block => {
+                for (ob, xb) in out.chunks_mut(32).zip(x.chunks(32)) {
+                    let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let d = half::f16::from_f32(amax / 127.0).to_f32();
+                    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                    for (o, &v) in ob.iter_mut().zip(xb) {
+                        *o = d * (v * id).round_ties_even();
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A dense row-major f32 matrix (`rows x cols`): the `exact` weight policy's storage, holding a
-/// model's source values without requantization.
+/// model's source values without requantization, with the activation rounding that goes with
+/// them.
 #[derive(Clone, Debug)]
 pub struct DenseMatrix {
     rows: usize,
     cols: usize,
     data: Vec<f32>,
+    rounding: ActivationRounding,
 }
 
 impl DenseMatrix {
     /// Wraps `data` (`rows * cols` values); `None` when the length does not match.
     pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Option<DenseMatrix> {
-        (rows.checked_mul(cols) == Some(data.len())).then_some(DenseMatrix { rows, cols, data })
+        (rows.checked_mul(cols) == Some(data.len())).then_some(DenseMatrix {
+            rows,
+            cols,
+            data,
+            rounding: ActivationRounding::None,
+        })
+    }
+
+    /// The same matrix, with activations rounded as `rounding` says before each product.
+    pub fn with_activation_rounding(mut self, rounding: ActivationRounding) -> DenseMatrix {
+        self.rounding = rounding;
+        self
+    }
+
+    /// How activations are rounded before each product.
+    pub fn activation_rounding(&self) -> ActivationRounding {
+        self.rounding
     }
 
     /// `(rows, cols)`.

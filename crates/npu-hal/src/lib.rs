@@ -41,7 +41,7 @@ pub use device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
     WeightId,
 };
-pub use kernels::{DenseMatrix, RopeStyle};
+pub use kernels::{ActivationRounding, DenseMatrix, RopeStyle};
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
 #[cfg(doctest)]

@@ -1,7 +1,13 @@
-//! The reference binary `pipeline`. Today it has one subcommand, `isp`, which runs the ISP on one
-//! frame of any source and writes what the model will see as 8-bit RGB; `run`, `devices`,
-//! `generate` and the rest arrive with their issues (#6, #8, #9).
+//! The reference binary `pipeline`:
+//! - `isp`: the ISP on one frame of any source, written as 8-bit RGB (what the model sees);
+//! - `generate`: stream a completion from a GGUF or safetensors LLaMA-family model;
+//! - `perplexity`: llama.cpp's perplexity method over a text file;
+//! - `bench`: llama-bench's pp/tg tests, JSON out;
+//! - `devices`: the execution devices this machine has, including accel nodes without a backend.
+//!
+//! `run` and `encode` arrive with their issues (#8, #9).
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -52,6 +58,132 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Generate text from a prompt, streaming tokens to stdout.
+    Generate {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt text (tokenized with the model's tokenizer).
+        #[arg(
+            long,
+            conflicts_with = "prompt_ids",
+            required_unless_present = "prompt_ids"
+        )]
+        prompt: Option<String>,
+        /// The prompt as token ids, e.g. 1,2,3 (for scripted checks).
+        #[arg(long)]
+        prompt_ids: Option<String>,
+        /// Wrap the prompt in the model's chat template as a user message.
+        #[arg(long)]
+        chat: bool,
+        /// Print token ids (one line, comma-separated) instead of text.
+        #[arg(long)]
+        print_ids: bool,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 means greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        #[arg(long, default_value_t = 1.0)]
+        repeat_penalty: f32,
+        #[arg(long, default_value_t = 0x5eed)]
+        seed: u64,
+    },
+    /// Perplexity of a text file, by llama.cpp's method (comparable with llama-perplexity).
+    Perplexity {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The text file.
+        #[arg(long)]
+        file: PathBuf,
+    },
+    /// llama-bench's pp/tg tests; prints JSON.
+    Bench {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Prompt tokens of the pp test (0 skips it).
+        #[arg(long, default_value_t = 512)]
+        n_prompt: usize,
+        /// Generated tokens of the tg test (0 skips it).
+        #[arg(long, default_value_t = 128)]
+        n_gen: usize,
+        /// Repetitions after one warm-up run.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+    },
+    /// List the execution devices: the CPU NPU, accel nodes (with their drivers), and why a
+    /// device cannot run ops when it cannot.
+    Devices {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The model flags every decoder subcommand shares.
+#[derive(clap::Args, Debug)]
+struct ModelArgs {
+    /// A .gguf file, or a directory with config.json and *.safetensors.
+    #[arg(long)]
+    model: PathBuf,
+    /// Weight policy: exact, default, fastest, int8, or e.g. attn=fp6,mlp=fp4,embd=int8.
+    #[arg(long, default_value = "default")]
+    policy: String,
+    /// Worker threads (0 = every core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Context length: the KV cache's size, and perplexity's chunk length.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// KV page storage: f32, f16, bf16, mxfp8, mxfp4.
+    #[arg(long, default_value = "f16")]
+    kv: String,
+}
+
+impl ModelArgs {
+    fn open(
+        &self,
+        max_logit_rows: usize,
+    ) -> Result<
+        (
+            pipeline::decoder::Decoder,
+            Option<pipeline::model::tokenizer::Tokenizer>,
+        ),
+        Box<dyn std::error::Error>,
+    > {
+        let kv_dtype = match self.kv.as_str() {
+            "f32" => kv_paged::PageDtype::F32,
+            "f16" => kv_paged::PageDtype::F16,
+            "bf16" => kv_paged::PageDtype::Bf16,
+            "mxfp8" => kv_paged::PageDtype::Mxfp8,
+            "mxfp4" => kv_paged::PageDtype::Mxfp4,
+            other => return Err(format!("--kv {other}: use f32, f16, bf16, mxfp8 or mxfp4").into()),
+        };
+        let options = pipeline::decoder::DecoderOptions {
+            policy: pipeline::decoder::WeightPolicy::parse(&self.policy)?,
+            ctx: self.ctx,
+            max_batch: 512.min(self.ctx.max(1)),
+            max_logit_rows,
+            kv_dtype,
+        };
+        let t = std::time::Instant::now();
+        let (decoder, tokenizer) = pipeline::llm::open_decoder(&self.model, options, self.threads)?;
+        let r = decoder.report();
+        eprintln!(
+            "loaded {} in {:.2} s: policy {}, {:.2} bits/weight, {:.1} MiB of weights, {} threads ({})",
+            self.model.display(),
+            t.elapsed().as_secs_f64(),
+            self.policy,
+            r.bits_per_weight,
+            r.weight_bytes as f64 / (1 << 20) as f64,
+            decoder.device().info().parallelism,
+            decoder.device().info().isa,
+        );
+        Ok((decoder, tokenizer))
+    }
 }
 
 fn main() -> ExitCode {
@@ -129,6 +261,192 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 f.desc.width,
                 f.desc.height
             );
+            Ok(())
+        }
+        Cmd::Generate {
+            model,
+            prompt,
+            prompt_ids,
+            chat,
+            print_ids,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            repeat_penalty,
+            seed,
+        } => {
+            let (mut decoder, tokenizer) = model.open(1)?;
+            let ids = match (&prompt_ids, &prompt) {
+                (Some(ids), _) => pipeline::llm::parse_ids(ids)?,
+                (None, Some(text)) => {
+                    let tok = tokenizer.as_ref().ok_or(
+                        "this model has no tokenizer: pass --prompt-ids, or add tokenizer.json",
+                    )?;
+                    let text = if chat {
+                        tok.apply_chat_template(&[("user", text.as_str())], true)?
+                    } else {
+                        text.clone()
+                    };
+                    tok.encode(&text, decoder.config().add_bos)?
+                }
+                (None, None) => return Err("pass --prompt or --prompt-ids".into()),
+            };
+            let stop: Vec<u32> = tokenizer
+                .as_ref()
+                .map(|t| t.stop_ids().to_vec())
+                .unwrap_or_default();
+            let sampling = npu_hal::sampling::SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                repetition_penalty: repeat_penalty,
+                seed,
+                ..Default::default()
+            };
+            let mut stdout = std::io::stdout().lock();
+            let mut stream = tokenizer.as_ref().map(|t| t.stream_decoder());
+            let mut generated = Vec::new();
+            let mut write_error = None;
+            let stats =
+                pipeline::llm::generate(&mut decoder, &ids, max_tokens, sampling, &stop, |id| {
+                    generated.push(id);
+                    if print_ids {
+                        return true;
+                    }
+                    let piece = match stream.as_mut() {
+                        Some(s) => s.push(id).unwrap_or_else(|e| format!("[{id}: {e}]")),
+                        None => format!("[{id}]"),
+                    };
+                    if let Err(e) = stdout
+                        .write_all(piece.as_bytes())
+                        .and_then(|()| stdout.flush())
+                    {
+                        write_error = Some(e);
+                        return false;
+                    }
+                    true
+                })?;
+            if let Some(e) = write_error {
+                return Err(format!("writing to stdout: {e}").into());
+            }
+            if print_ids {
+                let line: Vec<String> = generated.iter().map(u32::to_string).collect();
+                writeln!(stdout, "{}", line.join(","))?;
+            } else {
+                if let Some(rest) = stream.as_mut().map(|s| s.finish().unwrap_or_default()) {
+                    write!(stdout, "{rest}")?;
+                }
+                writeln!(stdout)?;
+            }
+            eprintln!(
+                "prompt {} tokens in {:.1} ms ({:.1} tok/s); generated {} tokens at {:.1} tok/s",
+                stats.prompt_tokens,
+                stats.time_to_first_token.as_secs_f64() * 1e3,
+                stats.prefill_tokens_per_s(),
+                stats.generated,
+                stats.decode_tokens_per_s()
+            );
+            Ok(())
+        }
+        Cmd::Perplexity { model, file } => {
+            let (mut decoder, tokenizer) = model.open(32)?;
+            let tok = tokenizer.ok_or("perplexity needs the model's tokenizer")?;
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| format!("reading {}: {e}", file.display()))?;
+            let tokens = tok.encode(&text, decoder.config().add_bos)?;
+            let bos = decoder
+                .config()
+                .add_bos
+                .then_some(decoder.config().bos_token_id)
+                .flatten();
+            eprintln!(
+                "{} tokens, {} chunks of {}",
+                tokens.len(),
+                tokens.len() / model.ctx,
+                model.ctx
+            );
+            let r = pipeline::llm::perplexity(&mut decoder, &tokens, model.ctx, bos, |c, p| {
+                eprint!("[{}]{p:.4} ", c + 1);
+            })?;
+            eprintln!();
+            println!(
+                "{}",
+                serde_json::json!({
+                    "model": model.model.display().to_string(),
+                    "policy": model.policy,
+                    "file": file.display().to_string(),
+                    "ctx": model.ctx,
+                    "ppl": r.ppl,
+                    "ppl_error": r.ppl_error,
+                    "chunks": r.chunks,
+                    "scored_tokens": r.scored_tokens,
+                    "tokens_in_text": r.tokens_in_text,
+                    "seconds": r.seconds,
+                })
+            );
+            Ok(())
+        }
+        Cmd::Bench {
+            model,
+            n_prompt,
+            n_gen,
+            reps,
+        } => {
+            let (mut decoder, _) = model.open(1)?;
+            let results = pipeline::llm::bench(&mut decoder, n_prompt, n_gen, reps)?;
+            let r = decoder.report().clone();
+            let info = decoder.device().info();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "model": model.model.display().to_string(),
+                    "policy": model.policy,
+                    "bits_per_weight": r.bits_per_weight,
+                    "weight_bytes": r.weight_bytes,
+                    "stream_bytes_per_token": r.stream_bytes_per_token,
+                    "device": info.name,
+                    "isa": info.isa,
+                    "threads": info.parallelism,
+                    "kv": model.kv,
+                    "results": results,
+                }))?
+            );
+            Ok(())
+        }
+        Cmd::Devices { json } => {
+            use npu_hal::Backend;
+            let probes: Vec<npu_hal::Probe> = [
+                &npu_hal::CpuBackend::default() as &dyn Backend,
+                &npu_hal::AccelBackend,
+            ]
+            .iter()
+            .flat_map(|b| b.probe())
+            .collect();
+            if json {
+                let list: Vec<_> = probes
+                    .iter()
+                    .map(|p| {
+                        serde_json::json!({
+                            "backend": p.backend,
+                            "name": p.name,
+                            "usable": p.usable.is_ok(),
+                            "why_not": p.usable.as_ref().err(),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                for p in &probes {
+                    match &p.usable {
+                        Ok(()) => println!("[{}] {}: ready", p.backend, p.name),
+                        Err(why) => println!("[{}] {}: not usable: {why}", p.backend, p.name),
+                    }
+                }
+                if !probes.iter().any(|p| p.backend == "accel") {
+                    println!("[accel] no /dev/accel/accel* nodes on this machine");
+                }
+            }
             Ok(())
         }
     }

@@ -1,0 +1,690 @@
+//! The LLaMA-family decoder over npu-hal: grouped-query attention, RoPE, RMSNorm, SwiGLU, tied or
+//! untied output, weights converted per tensor class by a [`WeightPolicy`] at load time.
+//!
+//! The model is compiled once into two npu-hal programs: the body (embedding, the blocks, the
+//! final norm) over every token of a batch, and the head (the output projection) over the rows
+//! whose logits are wanted, in slices of at most [`DecoderOptions::max_logit_rows`] so a 512-token
+//! prompt never holds 512 x vocab logits at once. Each submission waits on and signals the
+//! decoder's CPU timeline, which is how other stages will hand work to it.
+//!
+//! Invariants: the KV cache holds exactly the tokens of the current sequence (`self.len`), and
+//! every position below `len` has its K/V written in every layer.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use kv_paged::{KvCache, KvLayout, PageDtype};
+use mx_quant::{ElemFormat, QuantOptions, ScaleRule};
+use npu_hal::{
+    ActivationRounding, Batch, DenseMatrix, Device, Op, Rows, Submission, TensorId, Weight,
+    WeightId,
+};
+use sync_timeline::{CpuTimeline, Timeline};
+
+use crate::model::{LoadError, ModelConfig, TensorSource};
+
+/// Why the decoder failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("device: {0}")]
+    Device(#[from] npu_hal::Error),
+    #[error("KV cache: {0}")]
+    Kv(#[from] kv_paged::Error),
+    #[error("MX conversion of {tensor}: {source}")]
+    Quantize {
+        tensor: String,
+        source: mx_quant::Error,
+    },
+    #[error(
+        "the sequence would reach {wanted} tokens, past the context of {ctx}; start a new sequence or raise --ctx"
+    )]
+    ContextFull { wanted: usize, ctx: usize },
+    #[error(
+        "unknown weight policy {0:?}: use exact, default, fastest, int8, or a list like attn=fp6,mlp=fp4,embd=int8"
+    )]
+    UnknownPolicy(String),
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    BadToken { id: u32, vocab: usize },
+    #[error("sampling: {0}")]
+    Sampling(String),
+    #[error("{0}")]
+    BadInput(String),
+}
+
+/// Where a weight tensor sits in the model, which decides how hard it may be quantized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorClass {
+    /// The token embedding (also the output projection when tied).
+    Embedding,
+    /// An untied output projection.
+    Output,
+    /// Q, K, V and O projections.
+    Attention,
+    /// Gate and up projections.
+    MlpIn,
+    /// The down projection.
+    MlpDown,
+}
+
+/// How one class of tensors is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// The source values, dequantized to f32, never requantized.
+    Exact,
+    /// Converted to an MX format at load time.
+    Mx(ElemFormat),
+}
+
+impl std::fmt::Display for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Storage::Exact => f.write_str("f32"),
+            Storage::Mx(e) => write!(f, "mx{e}"),
+        }
+    }
+}
+
+/// Storage per tensor class; named policies are the measured trade-offs (README, "Decoder").
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightPolicy {
+    pub name: String,
+    pub embedding: Storage,
+    pub output: Storage,
+    pub attention: Storage,
+    pub mlp_in: Storage,
+    pub mlp_down: Storage,
+    /// Scale selection for MX conversion (MSE search by default: it never does worse than the
+    /// OCP rule on a block and costs only load time).
+    pub scale: ScaleRule,
+    /// Exact matrices round their activations as llama.cpp does for the source format (8-bit
+    /// blocks for block-quantized weights, f16 for f16...), so `exact` reproduces llama.cpp's
+    /// numbers; `false` keeps activations in f32 (`exact-f32`).
+    pub source_activations: bool,
+}
+
+impl WeightPolicy {
+    /// Looks up a named policy or parses `class=format,...` (classes `embd`, `output`, `attn`,
+    /// `mlp` (= `mlp_in` and `mlp_down`), `mlp_in`, `mlp_down`, `all`; formats `f32`/`exact` or an
+    /// mx-quant format name such as `fp4`, `fp6`, `fp8_e4m3`, `int8`).
+    pub fn parse(name: &str) -> Result<WeightPolicy, DecodeError> {
+        use ElemFormat::*;
+        let uniform = |name: &str, s: Storage| WeightPolicy {
+            name: name.to_string(),
+            embedding: s,
+            output: s,
+            attention: s,
+            mlp_in: s,
+            mlp_down: s,
+            scale: ScaleRule::MseSearch,
+            source_activations: true,
+        };
+        Ok(match name {
+            "exact" => uniform("exact", Storage::Exact),
+            "exact-f32" => WeightPolicy {
+                source_activations: false,
+                ..uniform("exact-f32", Storage::Exact)
+            },
+            "int8" => uniform("int8", Storage::Mx(Int8)),
+            "default" => WeightPolicy {
+                embedding: Storage::Mx(Int8),
+                output: Storage::Mx(Int8),
+                attention: Storage::Mx(Fp6E2M3),
+                mlp_in: Storage::Mx(Fp6E2M3),
+                mlp_down: Storage::Mx(Fp6E2M3),
+                ..uniform("default", Storage::Exact)
+            },
+            "fastest" => WeightPolicy {
+                embedding: Storage::Mx(Int8),
+                output: Storage::Mx(Int8),
+                attention: Storage::Mx(Fp4E2M1),
+                mlp_in: Storage::Mx(Fp4E2M1),
+                mlp_down: Storage::Mx(Fp4E2M1),
+                ..uniform("fastest", Storage::Exact)
+            },
+            spec if spec.contains('=') => {
+                let mut p = uniform(spec, Storage::Exact);
+                for item in spec.split(',') {
+                    let (class, fmt) = item
+                        .split_once('=')
+                        .ok_or_else(|| DecodeError::UnknownPolicy(spec.into()))?;
+                    let storage = match fmt.trim() {
+                        "f32" | "exact" => Storage::Exact,
+                        f => Storage::Mx(
+                            ElemFormat::from_name(f)
+                                .ok_or_else(|| DecodeError::UnknownPolicy(spec.into()))?,
+                        ),
+                    };
+                    match class.trim() {
+                        "embd" | "embedding" => p.embedding = storage,
+                        "output" => p.output = storage,
+                        "attn" | "attention" => p.attention = storage,
+                        "mlp" => (p.mlp_in, p.mlp_down) = (storage, storage),
+                        "mlp_in" => p.mlp_in = storage,
+                        "mlp_down" => p.mlp_down = storage,
+                        "all" => {
+                            p = WeightPolicy {
+                                name: p.name,
+                                ..uniform("", storage)
+                            }
+                        }
+                        _ => return Err(DecodeError::UnknownPolicy(spec.into())),
+                    }
+                }
+                p
+            }
+            other => return Err(DecodeError::UnknownPolicy(other.into())),
+        })
+    }
+
+    fn storage(&self, class: TensorClass) -> Storage {
+        match class {
+            TensorClass::Embedding => self.embedding,
+            TensorClass::Output => self.output,
+            TensorClass::Attention => self.attention,
+            TensorClass::MlpIn => self.mlp_in,
+            TensorClass::MlpDown => self.mlp_down,
+        }
+    }
+}
+
+/// How to build a [`Decoder`].
+#[derive(Clone, Debug)]
+pub struct DecoderOptions {
+    pub policy: WeightPolicy,
+    /// Context length (tokens the KV cache holds).
+    pub ctx: usize,
+    /// Most tokens one body submission processes (longer inputs are split).
+    pub max_batch: usize,
+    /// Most logit rows one head submission produces.
+    pub max_logit_rows: usize,
+    /// KV page storage.
+    pub kv_dtype: PageDtype,
+}
+
+impl Default for DecoderOptions {
+    fn default() -> Self {
+        DecoderOptions {
+            policy: WeightPolicy::parse("default").expect("the default policy parses"),
+            ctx: 2048,
+            max_batch: 512,
+            max_logit_rows: 16,
+            kv_dtype: PageDtype::F16,
+        }
+    }
+}
+
+/// Load-time facts for reports.
+#[derive(Clone, Debug, Default)]
+pub struct LoadReport {
+    /// Weight bytes on the device.
+    pub weight_bytes: usize,
+    /// Parameters (elements) of the matrices.
+    pub parameters: usize,
+    /// Mean bits per weight over the matrices as stored.
+    pub bits_per_weight: f64,
+    /// Bytes one decoded token streams (every matrix once, the embedding row aside).
+    pub stream_bytes_per_token: usize,
+    /// Matrices kept exact because their width is not a multiple of 32.
+    pub kept_exact: Vec<String>,
+}
+
+/// A loaded model on a device, with its KV cache and one sequence.
+#[derive(Debug)]
+pub struct Decoder {
+    config: ModelConfig,
+    device: Box<dyn Device>,
+    kv: KvCache,
+    body: Vec<Op>,
+    head: Vec<Op>,
+    logits: TensorId,
+    options: DecoderOptions,
+    report: LoadReport,
+    seq: kv_paged::SeqId,
+    len: usize,
+    timeline: Arc<CpuTimeline>,
+    tick: u64,
+}
+
+impl Decoder {
+    /// Loads every weight of `config` from `source` into `device` under `options.policy`, and
+    /// compiles the programs.
+    pub fn new(
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        mut device: Box<dyn Device>,
+        options: DecoderOptions,
+    ) -> Result<Decoder, DecodeError> {
+        config.validate()?;
+        crate::model::check_llama_tensors(&config, source)?;
+        let mut loading = Loading {
+            source,
+            policy: options.policy.clone(),
+            report: LoadReport::default(),
+            bits: 0.0,
+        };
+        let embd = loading.matrix(&mut *device, "token_embd", TensorClass::Embedding)?;
+        let embd_bytes = loading.report.stream_bytes_per_token;
+        let output = if config.tied_embeddings {
+            embd
+        } else {
+            loading.matrix(&mut *device, "output", TensorClass::Output)?
+        };
+        struct Layer {
+            attn_norm: WeightId,
+            q: WeightId,
+            k: WeightId,
+            v: WeightId,
+            o: WeightId,
+            ffn_norm: WeightId,
+            gate: WeightId,
+            up: WeightId,
+            down: WeightId,
+        }
+        let mut layers = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let b = |s: &str| format!("blk.{i}.{s}");
+            layers.push(Layer {
+                attn_norm: device.load_weight(vector(source, &b("attn_norm"))?)?,
+                q: loading.matrix(&mut *device, &b("attn_q"), TensorClass::Attention)?,
+                k: loading.matrix(&mut *device, &b("attn_k"), TensorClass::Attention)?,
+                v: loading.matrix(&mut *device, &b("attn_v"), TensorClass::Attention)?,
+                o: loading.matrix(&mut *device, &b("attn_output"), TensorClass::Attention)?,
+                ffn_norm: device.load_weight(vector(source, &b("ffn_norm"))?)?,
+                gate: loading.matrix(&mut *device, &b("ffn_gate"), TensorClass::MlpIn)?,
+                up: loading.matrix(&mut *device, &b("ffn_up"), TensorClass::MlpIn)?,
+                down: loading.matrix(&mut *device, &b("ffn_down"), TensorClass::MlpDown)?,
+            });
+        }
+        let output_norm = device.load_weight(vector(source, "output_norm")?)?;
+        let mut report = loading.report;
+        report.bits_per_weight = loading.bits / report.parameters.max(1) as f64;
+        // An untied embedding is only read a row at a time: it does not stream per token.
+        if !config.tied_embeddings {
+            report.stream_bytes_per_token -= embd_bytes;
+        }
+        report.weight_bytes = device.weight_bytes();
+
+        let c = &config;
+        let n = options.max_batch.max(1);
+        let qw = c.heads * c.head_dim;
+        let kvw = c.kv_heads * c.head_dim;
+        let mut t = |w: usize, rows: usize| device.create_tensor(w, rows);
+        let x = t(c.hidden, n)?;
+        let xn = t(c.hidden, n)?;
+        let q = t(qw, n)?;
+        let k = t(kvw, n)?;
+        let v = t(kvw, n)?;
+        let attn = t(qw, n)?;
+        let o = t(c.hidden, n)?;
+        let gate = t(c.intermediate, n)?;
+        let up = t(c.intermediate, n)?;
+        let act = t(c.intermediate, n)?;
+        let logits = t(c.vocab_size, options.max_logit_rows.max(1))?;
+        let rope = |x| Op::Rope {
+            x,
+            head_dim: c.head_dim,
+            theta: c.rope_theta,
+            style: match c.rope_style {
+                crate::model::RopeStyle::Interleaved => npu_hal::RopeStyle::Interleaved,
+                crate::model::RopeStyle::HalfSplit => npu_hal::RopeStyle::HalfSplit,
+            },
+        };
+        let mut body = vec![Op::Embed {
+            table: embd,
+            out: x,
+        }];
+        let linear = |weight, x, out| Op::Linear {
+            weight,
+            x,
+            out,
+            rows: Rows::All,
+        };
+        for (i, l) in layers.iter().enumerate() {
+            body.extend([
+                Op::RmsNorm {
+                    x,
+                    weight: l.attn_norm,
+                    eps: c.rms_eps,
+                    out: xn,
+                },
+                linear(l.q, xn, q),
+                linear(l.k, xn, k),
+                linear(l.v, xn, v),
+                rope(q),
+                rope(k),
+                Op::Attention {
+                    layer: i,
+                    q,
+                    k,
+                    v,
+                    out: attn,
+                    q_heads: c.heads,
+                },
+                linear(l.o, attn, o),
+                Op::Add { acc: x, x: o },
+                Op::RmsNorm {
+                    x,
+                    weight: l.ffn_norm,
+                    eps: c.rms_eps,
+                    out: xn,
+                },
+                linear(l.gate, xn, gate),
+                linear(l.up, xn, up),
+                Op::SwiGlu { gate, up, out: act },
+                linear(l.down, act, o),
+                Op::Add { acc: x, x: o },
+            ]);
+        }
+        body.push(Op::RmsNorm {
+            x,
+            weight: output_norm,
+            eps: c.rms_eps,
+            out: xn,
+        });
+        let head = vec![Op::Linear {
+            weight: output,
+            x: xn,
+            out: logits,
+            rows: Rows::Selected,
+        }];
+        let block_tokens = 16;
+        let kv = KvCache::new(
+            KvLayout {
+                layers: c.layers,
+                kv_heads: c.kv_heads,
+                head_dim: c.head_dim,
+                block_tokens,
+                dtype: options.kv_dtype,
+            },
+            options.ctx.div_ceil(block_tokens).max(1),
+            None,
+        )?;
+        let mut d = Decoder {
+            config,
+            device,
+            kv,
+            body,
+            head,
+            logits,
+            options,
+            report,
+            seq: 0,
+            len: 0,
+            timeline: Arc::new(CpuTimeline::new(0)),
+            tick: 0,
+        };
+        d.kv.add_sequence(d.seq, &[])?;
+        Ok(d)
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Load-time facts.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The options it was built with.
+    pub fn options(&self) -> &DecoderOptions {
+        &self.options
+    }
+
+    /// The device it runs on.
+    pub fn device(&self) -> &dyn Device {
+        &*self.device
+    }
+
+    /// The KV cache (for accounting).
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Tokens in the current sequence.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the current sequence is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The timeline every submission signals (one value per submission).
+    pub fn timeline(&self) -> Arc<CpuTimeline> {
+        Arc::clone(&self.timeline)
+    }
+
+    /// Drops the current sequence and starts an empty one.
+    pub fn reset(&mut self) -> Result<(), DecodeError> {
+        self.kv.free_sequence(self.seq)?;
+        self.seq += 1;
+        self.kv.add_sequence(self.seq, &[])?;
+        self.len = 0;
+        Ok(())
+    }
+
+    /// Appends `tokens` to the sequence and calls `on_logits(i, logits)` for every `i` in
+    /// `want` (indices into `tokens`), in order. On an error past the argument checks the
+    /// sequence is dropped (its KV state would be partial), so the next call starts fresh.
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        want: Range<usize>,
+        on_logits: impl FnMut(usize, &[f32]),
+    ) -> Result<(), DecodeError> {
+        let result = self.forward_inner(tokens, want, on_logits);
+        if let Err(DecodeError::Device(_) | DecodeError::Kv(_)) = &result {
+            // Best effort: the original error is the one worth reporting.
+            let _ = self.reset();
+        }
+        result
+    }
+
+    fn forward_inner(
+        &mut self,
+        tokens: &[u32],
+        want: Range<usize>,
+        mut on_logits: impl FnMut(usize, &[f32]),
+    ) -> Result<(), DecodeError> {
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(DecodeError::BadToken { id, vocab });
+        }
+        let ctx = self.options.ctx;
+        if self.len + tokens.len() > ctx {
+            return Err(DecodeError::ContextFull {
+                wanted: self.len + tokens.len(),
+                ctx,
+            });
+        }
+        let want = want.start.min(tokens.len())..want.end.min(tokens.len());
+        let mut logits = vec![0f32; self.options.max_logit_rows.max(1) * vocab];
+        let mut done = 0;
+        for chunk in tokens.chunks(self.options.max_batch.max(1)) {
+            let appended = self.kv.append(self.seq, chunk)?;
+            let wait = self.tick;
+            self.tick += 1;
+            let timeline: &dyn Timeline = &*self.timeline;
+            self.device.submit(Submission {
+                ops: &self.body,
+                batch: Batch {
+                    tokens: chunk,
+                    first_pos: self.len,
+                    seq: self.seq,
+                    slots: &appended.slots,
+                    select: 0..0,
+                },
+                kv: Some(&mut self.kv),
+                wait: Some((timeline, wait)),
+                signal: Some((timeline, self.tick)),
+            })?;
+            self.len += chunk.len();
+            // Logits for the wanted rows of this chunk, a head-sized slice at a time.
+            let lo = want.start.max(done).min(done + chunk.len()) - done;
+            let hi = want.end.max(done).min(done + chunk.len()) - done;
+            let mut row = lo;
+            while row < hi {
+                let end = (row + self.options.max_logit_rows.max(1)).min(hi);
+                let wait = self.tick;
+                self.tick += 1;
+                self.device.submit(Submission {
+                    ops: &self.head,
+                    batch: Batch {
+                        tokens: chunk,
+                        first_pos: self.len - chunk.len(),
+                        seq: self.seq,
+                        slots: &appended.slots,
+                        select: row..end,
+                    },
+                    kv: None,
+                    wait: Some((timeline, wait)),
+                    signal: Some((timeline, self.tick)),
+                })?;
+                let out = &mut logits[..(end - row) * vocab];
+                self.device.read_tensor(self.logits, 0..end - row, out)?;
+                for (j, l) in out.chunks_exact(vocab).enumerate() {
+                    on_logits(done + row + j, l);
+                }
+                row = end;
+            }
+            done += chunk.len();
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens` and returns the logits of the last one.
+    pub fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>, DecodeError> {
+        let mut out = Vec::new();
+        let n = tokens.len();
+        self.forward(tokens, n.saturating_sub(1)..n, |_, l| {
+            out.clear();
+            out.extend_from_slice(l)
+        })?;
+        Ok(out)
+    }
+}
+
+/// Load-time state: where weights come from, how they are stored, what was loaded.
+struct Loading<'a> {
+    source: &'a dyn TensorSource,
+    policy: WeightPolicy,
+    report: LoadReport,
+    bits: f64,
+}
+
+impl Loading<'_> {
+    /// Converts matrix `name` as the policy says for `class` and loads it into `device`.
+    fn matrix(
+        &mut self,
+        device: &mut dyn Device,
+        name: &str,
+        class: TensorClass,
+    ) -> Result<WeightId, DecodeError> {
+        let w = convert(
+            self.source,
+            name,
+            self.policy.storage(class),
+            &self.policy,
+            &mut self.report,
+        )?;
+        let (r, c) = w.shape();
+        self.report.parameters += r * c;
+        self.report.stream_bytes_per_token += w.bytes();
+        self.bits += w.bytes() as f64 * 8.0;
+        Ok(device.load_weight(w)?)
+    }
+}
+
+/// Reads a 1-D tensor (a norm gain).
+fn vector(source: &dyn TensorSource, name: &str) -> Result<Weight, DecodeError> {
+    let (r, c) = source.shape(name).ok_or_else(|| LoadError::TensorMissing {
+        tensor: name.to_string(),
+    })?;
+    let mut v = vec![0f32; r * c];
+    source.read_rows(name, 0..r, &mut v)?;
+    Ok(Weight::Vector(v))
+}
+
+/// Reads a matrix and stores it as `storage` says.
+fn convert(
+    source: &dyn TensorSource,
+    name: &str,
+    storage: Storage,
+    policy: &WeightPolicy,
+    report: &mut LoadReport,
+) -> Result<Weight, DecodeError> {
+    let (rows, cols) = source.shape(name).ok_or_else(|| LoadError::TensorMissing {
+        tensor: name.to_string(),
+    })?;
+    let format = match storage {
+        Storage::Mx(f) if cols.is_multiple_of(mx_quant::BLOCK) => f,
+        Storage::Mx(_) => {
+            report.kept_exact.push(name.to_string());
+            return dense(source, name, rows, cols, policy);
+        }
+        Storage::Exact => return dense(source, name, rows, cols, policy),
+    };
+    let options = QuantOptions {
+        scale: policy.scale,
+        ..QuantOptions::default()
+    };
+    let quant_err = |source| DecodeError::Quantize {
+        tensor: name.to_string(),
+        source,
+    };
+    // Row chunks bound the f32 staging to CHUNK rows, whatever the matrix size.
+    const CHUNK: usize = 256;
+    let blocks_per_row = cols / mx_quant::BLOCK;
+    let row_bytes = mx_quant::layout::packed_len(format, cols);
+    let mut scales = vec![0u8; rows * blocks_per_row];
+    let mut packed = vec![0u8; rows * row_bytes];
+    let mut staging = vec![0f32; CHUNK.min(rows) * cols];
+    for start in (0..rows).step_by(CHUNK) {
+        let end = (start + CHUNK).min(rows);
+        let buf = &mut staging[..(end - start) * cols];
+        source.read_rows(name, start..end, buf)?;
+        mx_quant::bulk::quantize(
+            format,
+            options,
+            buf,
+            &mut scales[start * blocks_per_row..end * blocks_per_row],
+            &mut packed[start * row_bytes..end * row_bytes],
+        )
+        .map_err(quant_err)?;
+    }
+    let m = mx_quant::gemv::MxMatrix::from_linear(format, rows, cols, &scales, &packed)
+        .map_err(quant_err)?;
+    Ok(Weight::Mx(m))
+}
+
+fn dense(
+    source: &dyn TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    policy: &WeightPolicy,
+) -> Result<Weight, DecodeError> {
+    use crate::model::SourceDtype;
+    let mut data = vec![0f32; rows * cols];
+    source.read_rows(name, 0..rows, &mut data)?;
+    let rounding = match source.dtype(name) {
+        _ if !policy.source_activations => ActivationRounding::None,
+        Some(SourceDtype::F16) => ActivationRounding::F16,
+        Some(SourceDtype::BF16) => ActivationRounding::Bf16,
+        Some(SourceDtype::Q8_0 | SourceDtype::Q4_0 | SourceDtype::Q4_1 | SourceDtype::Mxfp4) => {
+            ActivationRounding::Q8Block
+        }
+        Some(SourceDtype::F32) | None => ActivationRounding::None,
+    };
+    Ok(Weight::Dense(
+        DenseMatrix::new(rows, cols, data)
+            .expect("the buffer was sized rows * cols")
+            .with_activation_rounding(rounding),
+    ))
+}

@@ -1,0 +1,274 @@
+//! Text generation, perplexity and throughput measurement over a [`Decoder`]: the library side of
+//! `pipeline generate`, `pipeline perplexity` and `pipeline bench`, so tests and other programs
+//! drive exactly what the binary does.
+//!
+//! `perplexity` follows llama.cpp's `llama-perplexity` so the numbers compare: the text is
+//! tokenized whole, split into non-overlapping `ctx`-token chunks (a trailing partial chunk is
+//! dropped), each chunk is evaluated from an empty cache (with BOS as its first token when the
+//! model adds one), and only the second half of each chunk is scored: the logits at positions
+//! `ctx/2 .. ctx-1` predict tokens `ctx/2 + 1 .. ctx`.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use npu_hal::sampling::{Sampler, SamplingParams};
+use npu_hal::{CpuConfig, CpuNpu};
+
+use crate::decoder::{DecodeError, Decoder, DecoderOptions};
+use crate::model::tokenizer::Tokenizer;
+
+/// Opens a model file or directory on the CPU NPU with `threads` workers (0 = every core).
+pub fn open_decoder(
+    model: &Path,
+    options: DecoderOptions,
+    threads: usize,
+) -> Result<(Decoder, Option<Tokenizer>), DecodeError> {
+    let crate::model::LoadedModel {
+        config,
+        tensors: source,
+        tokenizer,
+    } = crate::model::open_model(model)?;
+    let device = CpuNpu::new(CpuConfig {
+        threads,
+        ..CpuConfig::default()
+    })?;
+    let decoder = Decoder::new(config, &*source, Box::new(device), options)?;
+    Ok((decoder, tokenizer))
+}
+
+/// Timings of one generation.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    /// Time to process the prompt and produce the first token.
+    pub time_to_first_token: Duration,
+    /// Time of the remaining tokens.
+    pub decode_time: Duration,
+}
+
+impl GenerationStats {
+    /// Prompt tokens per second.
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64().max(1e-12)
+    }
+
+    /// Generated tokens per second after the first.
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        self.generated.saturating_sub(1) as f64 / self.decode_time.as_secs_f64().max(1e-12)
+    }
+}
+
+/// Generates up to `max_tokens` tokens after `prompt` (which starts a fresh sequence), calling
+/// `on_token` with each; stops early at a token in `stop` (not passed on) or when `on_token`
+/// returns `false`.
+pub fn generate(
+    decoder: &mut Decoder,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: &[u32],
+    mut on_token: impl FnMut(u32) -> bool,
+) -> Result<GenerationStats, DecodeError> {
+    let mut sampler = Sampler::new(sampling).map_err(|e| DecodeError::Sampling(e.to_string()))?;
+    decoder.reset()?;
+    let mut stats = GenerationStats {
+        prompt_tokens: prompt.len(),
+        ..GenerationStats::default()
+    };
+    if prompt.is_empty() || max_tokens == 0 {
+        return Ok(stats);
+    }
+    let mut history: Vec<u32> = prompt.to_vec();
+    let start = Instant::now();
+    let mut logits = decoder.forward_last(prompt)?;
+    let mut first = None;
+    for i in 0..max_tokens {
+        let next = sampler
+            .sample(&mut logits, &history)
+            .map_err(|e| DecodeError::Sampling(e.to_string()))?;
+        if i == 0 {
+            stats.time_to_first_token = start.elapsed();
+            first = Some(Instant::now());
+        }
+        if stop.contains(&next) {
+            break;
+        }
+        stats.generated += 1;
+        history.push(next);
+        if !on_token(next) || i + 1 == max_tokens {
+            break;
+        }
+        logits = decoder.forward_last(&[next])?;
+    }
+    stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
+    Ok(stats)
+}
+
+/// The outcome of [`perplexity`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Perplexity {
+    pub ppl: f64,
+    /// Standard error of the mean NLL, as llama.cpp reports it (`ppl * stderr(nll)`).
+    pub ppl_error: f64,
+    pub chunks: usize,
+    pub scored_tokens: usize,
+    pub tokens_in_text: usize,
+    pub seconds: f64,
+}
+
+/// llama.cpp's perplexity over `tokens` (see the module docs). `bos` replaces each chunk's first
+/// token when given (models that add BOS). `on_chunk(i, ppl_so_far)` reports progress.
+pub fn perplexity(
+    decoder: &mut Decoder,
+    tokens: &[u32],
+    ctx: usize,
+    bos: Option<u32>,
+    mut on_chunk: impl FnMut(usize, f64),
+) -> Result<Perplexity, DecodeError> {
+    if ctx < 4 {
+        return Err(DecodeError::BadInput(format!(
+            "perplexity needs --ctx of at least 4, got {ctx}"
+        )));
+    }
+    let chunks = tokens.len() / ctx;
+    if chunks == 0 {
+        return Err(DecodeError::BadInput(format!(
+            "the text has {} tokens, fewer than one chunk of {ctx}; use a longer text or a smaller --ctx",
+            tokens.len()
+        )));
+    }
+    let start = Instant::now();
+    let first = ctx / 2;
+    let (mut nll, mut nll2, mut count) = (0f64, 0f64, 0usize);
+    let mut chunk_tokens = vec![0u32; ctx];
+    for c in 0..chunks {
+        chunk_tokens.copy_from_slice(&tokens[c * ctx..(c + 1) * ctx]);
+        if let Some(b) = bos {
+            chunk_tokens[0] = b;
+        }
+        decoder.reset()?;
+        let targets = &tokens[c * ctx..(c + 1) * ctx];
+        decoder.forward(&chunk_tokens, first..ctx - 1, |i, logits| {
+            let target = targets[i + 1] as usize;
+            let lp = f64::from(logits[target]) - npu_hal::kernels::log_sum_exp(logits);
+            nll -= lp;
+            nll2 += lp * lp;
+            count += 1;
+        })?;
+        on_chunk(c, (nll / count as f64).exp());
+    }
+    let mean = nll / count as f64;
+    let var = (nll2 / count as f64 - mean * mean).max(0.0);
+    let ppl = mean.exp();
+    Ok(Perplexity {
+        ppl,
+        ppl_error: ppl * (var / (count as f64 - 1.0).max(1.0)).sqrt(),
+        chunks,
+        scored_tokens: count,
+        tokens_in_text: tokens.len(),
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// One llama-bench-style test result.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct BenchResult {
+    /// `pp512`, `tg128`, ...
+    pub test: String,
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    /// Tokens per second of each repetition.
+    pub samples_ts: Vec<f64>,
+    pub avg_ts: f64,
+    pub stddev_ts: f64,
+    pub median_ts: f64,
+}
+
+/// llama-bench's tests: `pp{n_prompt}` processes an `n_prompt`-token prompt in batches;
+/// `tg{n_gen}` generates `n_gen` tokens one at a time from an empty context. Each runs once to
+/// warm up, then `reps` times. Tokens are pseudo-random ids (the content does not change the
+/// work).
+pub fn bench(
+    decoder: &mut Decoder,
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+) -> Result<Vec<BenchResult>, DecodeError> {
+    let vocab = decoder.config().vocab_size as u64;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut token = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % vocab) as u32
+    };
+    let mut results = Vec::new();
+    if n_prompt > 0 {
+        let prompt: Vec<u32> = (0..n_prompt).map(|_| token()).collect();
+        let mut samples = Vec::new();
+        for rep in 0..=reps {
+            decoder.reset()?;
+            let t = Instant::now();
+            decoder.forward_last(&prompt)?;
+            if rep > 0 {
+                samples.push(n_prompt as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        results.push(summarise(format!("pp{n_prompt}"), n_prompt, 0, samples));
+    }
+    if n_gen > 0 {
+        let mut samples = Vec::new();
+        for rep in 0..=reps {
+            decoder.reset()?;
+            let mut next = token();
+            let t = Instant::now();
+            for _ in 0..n_gen {
+                let logits = decoder.forward_last(&[next])?;
+                next = npu_hal::kernels::argmax(&logits).map_or(0, |(i, _)| i as u32);
+            }
+            if rep > 0 {
+                samples.push(n_gen as f64 / t.elapsed().as_secs_f64());
+            }
+        }
+        results.push(summarise(format!("tg{n_gen}"), 0, n_gen, samples));
+    }
+    Ok(results)
+}
+
+fn summarise(test: String, n_prompt: usize, n_gen: usize, samples: Vec<f64>) -> BenchResult {
+    let n = samples.len().max(1) as f64;
+    let avg = samples.iter().sum::<f64>() / n;
+    let var = samples.iter().map(|s| (s - avg) * (s - avg)).sum::<f64>() / (n - 1.0).max(1.0);
+    let mut sorted = samples.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = if sorted.is_empty() {
+        0.0
+    } else if sorted.len() % 2 == 1 {
+        sorted[sorted.len() / 2]
+    } else {
+        (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
+    };
+    BenchResult {
+        test,
+        n_prompt,
+        n_gen,
+        samples_ts: samples,
+        avg_ts: avg,
+        stddev_ts: var.sqrt(),
+        median_ts: median,
+    }
+}
+
+/// Parses `--prompt-ids 1,2,3`.
+pub fn parse_ids(s: &str) -> Result<Vec<u32>, DecodeError> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>().map_err(|_| {
+                DecodeError::BadInput(format!("--prompt-ids: {t:?} is not a token id"))
+            })
+        })
+        .collect()
+}
