@@ -228,6 +228,7 @@ impl CpuNpu {
                 v,
                 out,
                 q_heads,
+                ..
             } => {
                 let Some(kv) = kv else {
                     return bad("attention needs a KV cache in the submission".into());
@@ -425,6 +426,7 @@ impl CpuNpu {
                 v,
                 out,
                 q_heads,
+                numerics,
             } => {
                 let Some(kv) = kv else {
                     return Err(Error::BadOp {
@@ -455,11 +457,17 @@ impl CpuNpu {
                 let mut go = o.buffer.cpu_access(0..n * o.width * 4, Access::Write)?;
                 let (qs, outs) = (gq.typed::<f32>()?, go.typed_mut::<f32>()?);
                 let kv: &kv_paged::KvCache = kv;
-                if n == 1 {
-                    decode_attention(&self.pool, kv, b.seq, layer, q_heads, qs, outs)?;
-                } else {
-                    kv_paged::attention::prefill(kv, b.seq, layer, q_heads, b.first_pos, qs, outs)?;
-                }
+                crate::attention::attend(
+                    &self.pool,
+                    kv,
+                    b.seq,
+                    layer,
+                    q_heads,
+                    b.first_pos,
+                    qs,
+                    outs,
+                    numerics,
+                )?;
             }
         }
         Ok(())
@@ -565,60 +573,6 @@ fn linear(
             });
         }
     }
-    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
-}
-
-/// Decode attention of one token, query heads split over the pool.
-fn decode_attention(
-    pool: &WorkerPool,
-    kv: &kv_paged::KvCache,
-    seq: kv_paged::SeqId,
-    layer: usize,
-    q_heads: usize,
-    q: &[f32],
-    out: &mut [f32],
-) -> Result<(), Error> {
-    let hd = kv.layout().head_dim;
-    let parts = pool.threads().min(q_heads);
-    if parts <= 1 {
-        return Ok(kv_paged::attention::decode_heads(
-            kv,
-            seq,
-            layer,
-            q_heads,
-            0..q_heads,
-            q,
-            out,
-        )?);
-    }
-    let spans: Vec<Range<usize>> = (0..pool.threads())
-        .map(|p| share(p, parts, q_heads, 1))
-        .collect();
-    let mut slices: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(spans.len());
-    let mut rest = out;
-    for s in &spans {
-        let (mine, tail) = rest.split_at_mut(s.len() * hd);
-        slices.push(Mutex::new(mine));
-        rest = tail;
-    }
-    let failure: Mutex<Option<Error>> = Mutex::new(None);
-    pool.run(&|p| {
-        let Some(span) = spans.get(p).filter(|s| !s.is_empty()) else {
-            return;
-        };
-        let mut o = slices[p].lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) =
-            kv_paged::attention::decode_heads(kv, seq, layer, q_heads, span.clone(), q, &mut o)
-        {
-            failure
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get_or_insert(e.into());
-        }
-    });
     match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
         Some(e) => Err(e),
         None => Ok(()),

@@ -117,6 +117,7 @@ pub enum Op {
         v: TensorId,
         out: TensorId,
         q_heads: usize,
+        numerics: crate::attention::AttentionNumerics,
     },
 }
 

@@ -250,7 +250,9 @@ fn gemm_rows_portable(
     }
 }
 
-/// Dot product with sixteen independent sums (vectorises to two 8-lane FMA chains with AVX2).
+/// Dot product with sixteen independent sums (vectorises to two 8-lane chains with AVX2). Plain
+/// `a * b + c`, not `mul_add`: where FMA is not in the target (the baseline x86-64 build, which
+/// the attention kernels use), `mul_add` is a libm call per element.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
@@ -263,7 +265,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         .sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..16 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+            acc[i] += x[i] * y[i];
         }
     }
     acc.iter().sum::<f32>() + tail

@@ -29,6 +29,7 @@
 //! - [`kernels`]: calling the AVX2+FMA build of the dense GEMM after detecting those features.
 
 pub mod accel;
+pub mod attention;
 mod cpu;
 mod device;
 pub mod kernels;

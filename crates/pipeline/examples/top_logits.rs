@@ -2,6 +2,7 @@
 //! close a greedy decision was (e.g. when comparing weight policies or runtimes).
 //!
 //! `cargo run --release -p pipeline --example top_logits -- MODEL POLICY "prompt" [K]`
+//! (`KV=f32` for f32 KV pages, `DUMP=FILE` to also write the logits as raw f32).
 
 use pipeline::decoder::{DecoderOptions, WeightPolicy};
 
@@ -23,6 +24,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tok = tokenizer.ok_or("the model has no tokenizer")?;
     let ids = tok.encode(prompt, decoder.config().add_bos)?;
     let logits = decoder.forward_last(&ids)?;
+    // DUMP=FILE writes the logits as raw little-endian f32, for comparing runtimes.
+    if let Some(path) = std::env::var_os("DUMP") {
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(path, bytes)?;
+    }
     let mut order: Vec<usize> = (0..logits.len()).collect();
     order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
     for &i in order.iter().take(k) {

@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use kv_paged::{KvCache, KvLayout, PageDtype};
 use mx_quant::{ElemFormat, QuantOptions, ScaleRule};
+use npu_hal::attention::AttentionNumerics;
 use npu_hal::{
     ActivationRounding, Batch, DenseMatrix, Device, Op, Rows, Submission, TensorId, Weight,
     WeightId,
@@ -103,6 +104,8 @@ pub struct WeightPolicy {
     /// blocks for block-quantized weights, f16 for f16...), so `exact` reproduces llama.cpp's
     /// numbers; `false` keeps activations in f32 (`exact-f32`).
     pub source_activations: bool,
+    /// Attention rounding: f32, or llama.cpp's f16 flash attention for `exact`.
+    pub attention_numerics: AttentionNumerics,
 }
 
 impl WeightPolicy {
@@ -120,9 +123,13 @@ impl WeightPolicy {
             mlp_down: s,
             scale: ScaleRule::MseSearch,
             source_activations: true,
+            attention_numerics: AttentionNumerics::F32,
         };
         Ok(match name {
-            "exact" => uniform("exact", Storage::Exact),
+            "exact" => WeightPolicy {
+                attention_numerics: AttentionNumerics::F16Flash,
+                ..uniform("exact", Storage::Exact)
+            },
             "exact-f32" => WeightPolicy {
                 source_activations: false,
                 ..uniform("exact-f32", Storage::Exact)
@@ -308,6 +315,7 @@ impl Decoder {
         report.weight_bytes = device.weight_bytes();
 
         let c = &config;
+        let policy = &options.policy;
         let n = options.max_batch.max(1);
         let qw = c.heads * c.head_dim;
         let kvw = c.kv_heads * c.head_dim;
@@ -362,6 +370,7 @@ impl Decoder {
                     v,
                     out: attn,
                     q_heads: c.heads,
+                    numerics: policy.attention_numerics,
                 },
                 linear(l.o, attn, o),
                 Op::Add { acc: x, x: o },

@@ -135,12 +135,12 @@ fn greedy_generation_matches_transformers_generate() {
 fn mx_policies_and_kv_dtypes_stay_close_to_exact() {
     let e = expected();
     // (policy, KV pages, bound on the largest logit error relative to the largest logit).
-    // Measured: 0.0007, 0.057, 0.18, 0.47. Random weights are the worst case for low-bit formats
+    // Measured: 0.0025 (exact runs llama.cpp's f16 flash attention), 0.057, 0.18, 0.47. Random weights are the worst case for low-bit formats
     // (no structure for the shared scales to exploit, and MXINT8's power-of-two scale leaves 7
     // bits of step), so the real check of the MX policies is perplexity on SmolLM2 (README); this
     // one catches layout and dispatch bugs, which give errors of 1 and more.
     for (policy, kv, bound) in [
-        ("exact", PageDtype::F16, 0.002),
+        ("exact", PageDtype::F16, 0.005),
         ("int8", PageDtype::F16, 0.1),
         ("default", PageDtype::F16, 0.3),
         ("fastest", PageDtype::Bf16, 0.7),

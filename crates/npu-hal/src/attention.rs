@@ -1,0 +1,234 @@
+//! Causal grouped-query attention over a paged KV cache, split over the CPU NPU's pool, in two
+//! numerics:
+//!
+//! - [`AttentionNumerics::F32`]: scores, softmax and the weighted sum of V in f32 (kv-paged's
+//!   kernels; decode streams K/V page by page).
+//! - [`AttentionNumerics::F16Flash`]: what ggml's CPU flash attention computes (and an NPU with
+//!   f16 accumulators would): the query rounded to f16, f32 dot products of f16 values, an online
+//!   softmax, and the V accumulator held in f16 and rounded after every update, divided by the
+//!   softmax sum at the end. It exists so a model run here can reproduce llama.cpp's logits (the
+//!   `exact` weight policy), not because it is more accurate: it is less.
+//!
+//! Work is split by query head: each pool part owns a contiguous head range, gathers the K/V of
+//! the groups those heads read once per op, and writes only its heads' slices of every output row.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use half::f16;
+use kv_paged::{KvCache, SeqId};
+
+use crate::Error;
+use crate::pool::{WorkerPool, share};
+
+/// How attention rounds (see the module documentation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionNumerics {
+    #[default]
+    F32,
+    F16Flash,
+}
+
+/// Attention for `n = q.len() / (q_heads * head_dim)` queries at positions
+/// `first_pos..first_pos + n` of `seq`, whose K/V are already in the cache; query `i` sees
+/// tokens `0..=first_pos + i`. `out` has `q`'s shape.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend(
+    pool: &WorkerPool,
+    kv: &KvCache,
+    seq: SeqId,
+    layer: usize,
+    q_heads: usize,
+    first_pos: usize,
+    q: &[f32],
+    out: &mut [f32],
+    numerics: AttentionNumerics,
+) -> Result<(), Error> {
+    let l = *kv.layout();
+    let hd = l.head_dim;
+    let stride = q_heads * hd;
+    let n = q.len() / stride;
+    let parts = pool.threads().min(q_heads).max(1);
+    let spans: Vec<Range<usize>> = (0..pool.threads())
+        .map(|p| {
+            if p < parts {
+                share(p, parts, q_heads, 1)
+            } else {
+                0..0
+            }
+        })
+        .collect();
+    if n == 1 && numerics == AttentionNumerics::F32 {
+        // Decode: stream the pages, no gather.
+        let mut slices: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(spans.len());
+        let mut rest = out;
+        for s in &spans {
+            let (mine, tail) = rest.split_at_mut(s.len() * hd);
+            slices.push(Mutex::new(mine));
+            rest = tail;
+        }
+        return run_parts(pool, &spans, |p, span| {
+            let mut o = slices[p].lock().unwrap_or_else(|e| e.into_inner());
+            Ok(kv_paged::attention::decode_heads(
+                kv, seq, layer, q_heads, span, q, &mut o,
+            )?)
+        });
+    }
+    // Per part, its heads' slice of every output row.
+    let mut per_part: Vec<Mutex<Vec<&mut [f32]>>> = spans
+        .iter()
+        .map(|_| Mutex::new(Vec::with_capacity(n)))
+        .collect();
+    for row in out.chunks_exact_mut(stride) {
+        let mut rest = row;
+        for (span, part) in spans.iter().zip(per_part.iter_mut()) {
+            let (mine, tail) = rest.split_at_mut(span.len() * hd);
+            part.get_mut().unwrap_or_else(|e| e.into_inner()).push(mine);
+            rest = tail;
+        }
+    }
+    let group = q_heads / l.kv_heads;
+    let scale = kv_paged::attention::default_scale(hd);
+    run_parts(pool, &spans, |p, span| {
+        let mut rows = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let mut loaded = usize::MAX;
+        let mut scores = Vec::new();
+        let mut qh16 = vec![0f32; hd];
+        for h in span.clone() {
+            let g = h / group;
+            if g != loaded {
+                kv.gather(seq, layer, g, false, &mut k)?;
+                kv.gather(seq, layer, g, true, &mut v)?;
+                loaded = g;
+            }
+            for (i, row) in rows.iter_mut().enumerate() {
+                let visible = first_pos + i + 1;
+                let qv = &q[i * stride + h * hd..i * stride + (h + 1) * hd];
+                let o = &mut row[(h - span.start) * hd..(h - span.start + 1) * hd];
+                match numerics {
+                    AttentionNumerics::F32 => {
+                        scores.clear();
+                        scores
+                            .extend((0..visible).map(|t| {
+                                crate::kernels::dot(qv, &k[t * hd..(t + 1) * hd]) * scale
+                            }));
+                        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        let mut sum = 0.0;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        o.fill(0.0);
+                        let inv = 1.0 / sum;
+                        for (t, &p) in scores.iter().enumerate() {
+                            let w = p * inv;
+                            for (a, &x) in o.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
+                                *a += w * x;
+                            }
+                        }
+                    }
+                    AttentionNumerics::F16Flash => {
+                        for (d, &s) in qh16.iter_mut().zip(qv) {
+                            *d = f16::from_f32(s).to_f32();
+                        }
+                        flash_f16(&qh16, &k, &v, visible, hd, scale, o);
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
+}
+
+/// One query of ggml's CPU flash attention with an f16 V accumulator (its
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for f16 V), `q` already f16-rounded.
+fn flash_f16(q: &[f32], k: &[f32], v: &[f32], len: usize, hd: usize, scale: f32, out: &mut [f32]) {
+    let round = |x: f32| f16::from_f32(x).to_f32();
+    let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+    out.fill(0.0);
+    for t in 0..len {
+        let s = crate::kernels::dot(q, &k[t * hd..(t + 1) * hd]) * scale;
+        let (mut ms, mut vs) = (1f32, 1f32);
+        if s > m {
+            ms = (m - s).exp();
+            m = s;
+            for a in out.iter_mut() {
+                *a = round(*a * ms);
+            }
+        } else {
+            vs = (s - m).exp();
+        }
+        for (a, &x) in out.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
+            *a = round(*a + x * vs);
+        }
+        sum = sum * ms + vs;
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for a in out.iter_mut() {
+        *a *= inv;
+    }
+}
+
+/// Runs `work(part, heads)` for every part with a non-empty head span; the first error wins.
+fn run_parts(
+    pool: &WorkerPool,
+    spans: &[Range<usize>],
+    work: impl Fn(usize, Range<usize>) -> Result<(), Error> + Sync,
+) -> Result<(), Error> {
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    pool.run(&|p| {
+        let Some(span) = spans.get(p).filter(|s| !s.is_empty()) else {
+            return;
+        };
+        if let Err(e) = work(p, span.clone()) {
+            failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(e);
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flash_f16_is_softmax_attention_up_to_f16_rounding() {
+        let (hd, len) = (16, 40);
+        let f = |i: usize, s: usize| (((i * s) % 97) as f32 / 48.0 - 1.0) * 0.5;
+        let q: Vec<f32> = (0..hd).map(|i| f16::from_f32(f(i, 7)).to_f32()).collect();
+        let k: Vec<f32> = (0..len * hd).map(|i| f(i, 13)).collect();
+        let v: Vec<f32> = (0..len * hd).map(|i| f(i, 31)).collect();
+        let scale = 0.25;
+        let mut got = vec![0f32; hd];
+        flash_f16(&q, &k, &v, len, hd, scale, &mut got);
+        let scores: Vec<f64> = (0..len)
+            .map(|t| {
+                (0..hd)
+                    .map(|d| f64::from(q[d]) * f64::from(k[t * hd + d]))
+                    .sum::<f64>()
+                    * f64::from(scale)
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = w.iter().sum();
+        for d in 0..hd {
+            let want: f64 = (0..len)
+                .map(|t| w[t] * f64::from(v[t * hd + d]))
+                .sum::<f64>()
+                / total;
+            assert!(
+                (f64::from(got[d]) - want).abs() < 5e-3,
+                "{d}: {} vs {want}",
+                got[d]
+            );
+        }
+    }
+}
