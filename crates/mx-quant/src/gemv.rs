@@ -176,6 +176,45 @@ impl MxMatrix {
         Ok(m)
     }
 
+    /// The tiled storage as bytes, `(scales, codes)`: what [`MxMatrix::from_tiled_parts`] takes
+    /// back, so a converted model can be saved and reloaded without converting again.
+    pub fn tiled_parts(&self) -> (&[u8], &[u8]) {
+        (&self.scales, self.codes_bytes())
+    }
+
+    /// The byte lengths [`MxMatrix::tiled_parts`] has for this shape, `(scales, codes)`.
+    pub fn tiled_lengths(
+        format: ElemFormat,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(usize, usize), Error> {
+        check_block_multiple(cols)?;
+        let tiles = rows.div_ceil(TILE_ROWS);
+        let tile_blocks = tiles.checked_mul(cols / BLOCK).ok_or(Error::TooLarge)?;
+        let codes = tile_blocks
+            .checked_mul(tile_block_bytes(format))
+            .ok_or(Error::TooLarge)?;
+        Ok((tile_blocks * TILE_ROWS, codes))
+    }
+
+    /// Rebuilds a matrix from [`MxMatrix::tiled_parts`]; the lengths are checked against the
+    /// shape (the bytes may come from an untrusted file: any byte is a valid code or scale).
+    pub fn from_tiled_parts(
+        format: ElemFormat,
+        rows: usize,
+        cols: usize,
+        scales: &[u8],
+        codes: &[u8],
+    ) -> Result<MxMatrix, Error> {
+        let (scale_len, code_len) = MxMatrix::tiled_lengths(format, rows, cols)?;
+        check_len("tiled scales", scale_len, scales.len())?;
+        check_len("tiled codes", code_len, codes.len())?;
+        let mut m = MxMatrix::zeroed(format, rows, cols)?;
+        m.scales.copy_from_slice(scales);
+        bytemuck::cast_slice_mut::<Line, u8>(&mut m.lines).copy_from_slice(codes);
+        Ok(m)
+    }
+
     /// The matrix as GGUF `block_mxfp4` rows (for saving); only for FP4 E2M1 weights.
     pub fn to_gguf_mxfp4(&self) -> Result<Vec<crate::layout::BlockMxfp4>, Error> {
         if self.format != ElemFormat::Fp4E2M1 {
@@ -468,7 +507,7 @@ impl Q8Activations {
             let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             let mut s = 0;
             for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *q = round_ties_even_small((v * inv).clamp(-127.0, 127.0)) as i8;
                 s += i32::from(*q);
             }
             *sum = s;
@@ -656,4 +695,28 @@ fn split_rows(
             .into_iter()
             .try_for_each(|h| h.join().expect("gemv worker does not panic"))
     })
+}
+
+/// `x.round_ties_even()` for `|x| < 2^22`, without a libm call: adding and subtracting 1.5 * 2^23
+/// leaves the value rounded to an integer by the FPU's default round-to-nearest-even mode.
+/// (`round_ties_even` compiles to `rintf` on baseline x86-64, which lacks SSE4.1's `roundps`.)
+#[inline(always)]
+fn round_ties_even_small(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
+}
+
+#[cfg(test)]
+mod rounding_tests {
+    #[test]
+    fn magic_rounding_matches_round_ties_even() {
+        let mut x = -130.0f32;
+        while x < 130.0 {
+            assert_eq!(super::round_ties_even_small(x), x.round_ties_even(), "{x}");
+            x += 0.125 / 3.0;
+        }
+        for x in [0.5f32, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5] {
+            assert_eq!(super::round_ties_even_small(x), x.round_ties_even(), "{x}");
+        }
+    }
 }

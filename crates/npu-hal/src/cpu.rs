@@ -514,8 +514,33 @@ fn linear(
             if q8.len() < tokens {
                 q8.resize_with(tokens, Q8Activations::default);
             }
-            for (t, act) in q8.iter_mut().take(tokens).enumerate() {
-                act.requantize(&x[t * cols..(t + 1) * cols])?;
+            if tokens == 1 {
+                q8[0].requantize(&x[..cols])?;
+            } else {
+                // Prefill: quantize the tokens in parallel, one contiguous share per part.
+                let parts = pool.threads();
+                let mut shares: Vec<Mutex<(usize, &mut [Q8Activations])>> = Vec::new();
+                let mut rest = &mut q8[..tokens];
+                for p in 0..parts {
+                    let span = share(p, parts, tokens, 1);
+                    let (mine, tail) = rest.split_at_mut(span.len());
+                    shares.push(Mutex::new((span.start, mine)));
+                    rest = tail;
+                }
+                pool.run(&|p| {
+                    let mut guard = shares[p].lock().unwrap_or_else(|e| e.into_inner());
+                    let (first, acts) = &mut *guard;
+                    for (i, act) in acts.iter_mut().enumerate() {
+                        let t = *first + i;
+                        if let Err(e) = act.requantize(&x[t * cols..(t + 1) * cols]) {
+                            fail(e.into());
+                            return;
+                        }
+                    }
+                });
+                if let Some(e) = failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    return Err(e);
+                }
             }
             let xs: Vec<&Q8Activations> = q8[..tokens].iter().collect();
             pool.run(&|p| {

@@ -139,8 +139,16 @@ impl WorkerPool {
             s.wake.notify_all();
         }
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(0)));
+        let mut spins = 0u32;
         while s.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            // Spin briefly, then give the core away: when the machine is oversubscribed the
+            // worker we wait for may be waiting for this very core.
+            spins = spins.wrapping_add(1);
+            if spins > 256 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         *s.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let Err(payload) = mine {
@@ -182,6 +190,10 @@ fn worker(s: &Shared, part: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) && spins > 1024 {
+                // Past a short spin, share the core (see `run`).
+                std::thread::yield_now();
+            }
             if spins.is_multiple_of(64) && started.elapsed() > s.spin {
                 let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);

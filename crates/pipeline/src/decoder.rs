@@ -209,6 +209,15 @@ pub struct DecoderOptions {
     pub max_logit_rows: usize,
     /// KV page storage.
     pub kv_dtype: PageDtype,
+    /// Where converted MX weights are cached (read if present and current, written otherwise).
+    pub cache: Option<CacheSpec>,
+}
+
+/// A converted-weight cache file and the key it must carry (see [`crate::mxcache`]).
+#[derive(Clone, Debug)]
+pub struct CacheSpec {
+    pub path: std::path::PathBuf,
+    pub key: crate::mxcache::CacheKey,
 }
 
 impl Default for DecoderOptions {
@@ -219,6 +228,7 @@ impl Default for DecoderOptions {
             max_batch: 512,
             max_logit_rows: 16,
             kv_dtype: PageDtype::F16,
+            cache: None,
         }
     }
 }
@@ -236,6 +246,12 @@ pub struct LoadReport {
     pub stream_bytes_per_token: usize,
     /// Matrices kept exact because their width is not a multiple of 32.
     pub kept_exact: Vec<String>,
+    /// Matrices read from the converted-weight cache instead of converted.
+    pub from_cache: usize,
+    /// The cache written by this load, if any.
+    pub cache_written: Option<std::path::PathBuf>,
+    /// Why the cache could not be read or written, if it could not (loading went on without it).
+    pub cache_problem: Option<String>,
 }
 
 /// A loaded model on a device, with its KV cache and one sequence.
@@ -271,7 +287,43 @@ impl Decoder {
             policy: options.policy.clone(),
             report: LoadReport::default(),
             bits: 0.0,
+            cache: None,
+            writer: None,
         };
+        // The matrices in load order (the cache is written in this order).
+        let mut order = vec![("token_embd".to_string(), TensorClass::Embedding)];
+        if !config.tied_embeddings {
+            order.push(("output".into(), TensorClass::Output));
+        }
+        for i in 0..config.layers {
+            for (s, class) in [
+                ("attn_q", TensorClass::Attention),
+                ("attn_k", TensorClass::Attention),
+                ("attn_v", TensorClass::Attention),
+                ("attn_output", TensorClass::Attention),
+                ("ffn_gate", TensorClass::MlpIn),
+                ("ffn_up", TensorClass::MlpIn),
+                ("ffn_down", TensorClass::MlpDown),
+            ] {
+                order.push((format!("blk.{i}.{s}"), class));
+            }
+        }
+        let plan: Vec<_> = order
+            .iter()
+            .filter_map(|(name, class)| loading.planned(name, *class))
+            .collect();
+        if let Some(spec) = options.cache.as_ref().filter(|_| !plan.is_empty()) {
+            match crate::mxcache::MxCache::open(&spec.path, &spec.key) {
+                Ok(Some(cache)) => loading.cache = Some(cache),
+                Ok(None) => {
+                    match crate::mxcache::CacheWriter::create(&spec.path, &spec.key, plan) {
+                        Ok(w) => loading.writer = Some(w),
+                        Err(e) => loading.report.cache_problem = Some(e.to_string()),
+                    }
+                }
+                Err(e) => loading.report.cache_problem = Some(e.to_string()),
+            }
+        }
         let embd = loading.matrix(&mut *device, "token_embd", TensorClass::Embedding)?;
         let embd_bytes = loading.report.stream_bytes_per_token;
         let output = if config.tied_embeddings {
@@ -306,6 +358,12 @@ impl Decoder {
             });
         }
         let output_norm = device.load_weight(vector(source, "output_norm")?)?;
+        if let Some(writer) = loading.writer.take() {
+            match writer.finish() {
+                Ok(path) => loading.report.cache_written = Some(path),
+                Err(e) => loading.report.cache_problem = Some(e.to_string()),
+            }
+        }
         let mut report = loading.report;
         report.bits_per_weight = loading.bits / report.parameters.max(1) as f64;
         // An untied embedding is only read a row at a time: it does not stream per token.
@@ -585,9 +643,37 @@ struct Loading<'a> {
     policy: WeightPolicy,
     report: LoadReport,
     bits: f64,
+    cache: Option<crate::mxcache::MxCache>,
+    writer: Option<crate::mxcache::CacheWriter>,
 }
 
 impl Loading<'_> {
+    /// The MX format and shape `name` gets under the policy, if it becomes an MX matrix.
+    fn planned(&self, name: &str, class: TensorClass) -> Option<crate::mxcache::Planned> {
+        let (rows, cols) = self.source.shape(name)?;
+        match self.policy.storage(class) {
+            Storage::Mx(format) if cols.is_multiple_of(mx_quant::BLOCK) => {
+                Some(crate::mxcache::Planned {
+                    name: name.to_string(),
+                    format,
+                    rows,
+                    cols,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    fn convert(&mut self, name: &str, class: TensorClass) -> Result<Weight, DecodeError> {
+        convert(
+            self.source,
+            name,
+            self.policy.storage(class),
+            &self.policy,
+            &mut self.report,
+        )
+    }
+
     /// Converts matrix `name` as the policy says for `class` and loads it into `device`.
     fn matrix(
         &mut self,
@@ -595,13 +681,27 @@ impl Loading<'_> {
         name: &str,
         class: TensorClass,
     ) -> Result<WeightId, DecodeError> {
-        let w = convert(
-            self.source,
-            name,
-            self.policy.storage(class),
-            &self.policy,
-            &mut self.report,
-        )?;
+        let w = match (self.planned(name, class), &self.cache) {
+            (Some(p), Some(cache)) => match cache.get(name, p.format, p.rows, p.cols) {
+                Ok(Some(m)) => {
+                    self.report.from_cache += 1;
+                    Weight::Mx(m)
+                }
+                Ok(None) => self.convert(name, class)?,
+                Err(e) => {
+                    self.report.cache_problem = Some(e.to_string());
+                    self.cache = None;
+                    self.convert(name, class)?
+                }
+            },
+            _ => self.convert(name, class)?,
+        };
+        if let (Some(writer), Weight::Mx(m)) = (&mut self.writer, &w)
+            && let Err(e) = writer.write(name, m)
+        {
+            self.report.cache_problem = Some(e.to_string());
+            self.writer = None;
+        }
         let (r, c) = w.shape();
         self.report.parameters += r * c;
         self.report.stream_bytes_per_token += w.bytes();

@@ -22,3 +22,4 @@
 pub mod decoder;
 pub mod llm;
 pub mod model;
+pub mod mxcache;

@@ -28,12 +28,27 @@ pub fn open_decoder(
         tensors: source,
         tokenizer,
     } = crate::model::open_model(model)?;
+
     let device = CpuNpu::new(CpuConfig {
         threads,
         ..CpuConfig::default()
     })?;
     let decoder = Decoder::new(config, &*source, Box::new(device), options)?;
     Ok((decoder, tokenizer))
+}
+
+/// The converted-weight cache for `model` under `policy`, kept in `dir` (see
+/// [`crate::mxcache`]); `None` when the model file cannot be stat'ed.
+pub fn cache_spec(
+    model: &Path,
+    dir: &Path,
+    policy: &crate::decoder::WeightPolicy,
+) -> Option<crate::decoder::CacheSpec> {
+    let key = crate::mxcache::CacheKey::new(model, &format!("{policy:?}")).ok()?;
+    Some(crate::decoder::CacheSpec {
+        path: crate::mxcache::cache_path(dir, model, &policy.name),
+        key,
+    })
 }
 
 /// Timings of one generation.

@@ -141,6 +141,13 @@ struct ModelArgs {
     /// KV page storage: f32, f16, bf16, mxfp8, mxfp4.
     #[arg(long, default_value = "f16")]
     kv: String,
+    /// Where converted MX weights are saved so the next load maps them instead of converting
+    /// (default: beside the model file).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Neither read nor write the converted-weight cache.
+    #[arg(long)]
+    no_cache: bool,
 }
 
 impl ModelArgs {
@@ -162,16 +169,42 @@ impl ModelArgs {
             "mxfp4" => kv_paged::PageDtype::Mxfp4,
             other => return Err(format!("--kv {other}: use f32, f16, bf16, mxfp8 or mxfp4").into()),
         };
+        let policy = pipeline::decoder::WeightPolicy::parse(&self.policy)?;
+        let cache = if self.no_cache {
+            None
+        } else {
+            let dir = match &self.cache_dir {
+                Some(d) => d.clone(),
+                None => match self.model.parent() {
+                    Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                    _ => PathBuf::from("."),
+                },
+            };
+            pipeline::llm::cache_spec(&self.model, &dir, &policy)
+        };
         let options = pipeline::decoder::DecoderOptions {
-            policy: pipeline::decoder::WeightPolicy::parse(&self.policy)?,
+            policy,
             ctx: self.ctx,
             max_batch: 512.min(self.ctx.max(1)),
             max_logit_rows,
             kv_dtype,
+            cache,
         };
         let t = std::time::Instant::now();
         let (decoder, tokenizer) = pipeline::llm::open_decoder(&self.model, options, self.threads)?;
         let r = decoder.report();
+        if let Some(p) = &r.cache_written {
+            eprintln!(
+                "saved the converted weights to {} (the next load maps them)",
+                p.display()
+            );
+        }
+        if r.from_cache > 0 {
+            eprintln!("{} converted matrices read from the cache", r.from_cache);
+        }
+        if let Some(why) = &r.cache_problem {
+            eprintln!("warning: converted-weight cache not used: {why}");
+        }
         eprintln!(
             "loaded {} in {:.2} s: policy {}, {:.2} bits/weight, {:.1} MiB of weights, {} threads ({})",
             self.model.display(),

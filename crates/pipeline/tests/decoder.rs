@@ -55,6 +55,7 @@ fn open(model: &str, policy: &str, max_batch: usize, kv: PageDtype) -> Decoder {
         max_batch,
         max_logit_rows: 4,
         kv_dtype: kv,
+        cache: None,
     };
     pipeline::llm::open_decoder(&fixture(model), options, 2)
         .unwrap()
@@ -165,4 +166,38 @@ fn out_of_vocabulary_tokens_and_a_full_context_are_errors() {
     // The failed calls left the decoder usable.
     d.reset().unwrap();
     assert_eq!(d.forward_last(&[1, 2, 3]).unwrap().len(), 320);
+}
+
+#[test]
+fn converted_weights_are_cached_and_a_corrupt_cache_is_not_used() {
+    let e = expected();
+    let dir = std::env::temp_dir().join(format!("pipeline-mxcache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = fixture("tiny.gguf");
+    let policy = WeightPolicy::parse("default").unwrap();
+    let load = || {
+        let options = DecoderOptions {
+            cache: pipeline::llm::cache_spec(&model, &dir, &policy),
+            policy: policy.clone(),
+            ctx: 64,
+            max_batch: 512,
+            max_logit_rows: 4,
+            kv_dtype: PageDtype::F16,
+        };
+        pipeline::llm::open_decoder(&model, options, 2).unwrap().0
+    };
+    let mut first = load();
+    let path = first.report().cache_written.clone().expect("the first load writes the cache");
+    assert_eq!(first.report().from_cache, 0);
+    let mut second = load();
+    assert_eq!(second.report().from_cache, 2 * 7 + 2, "every MX matrix comes from the cache");
+    assert_eq!(all_logits(&mut first, &e.ids), all_logits(&mut second, &e.ids));
+    // A corrupt cache is reported and ignored; the load converts again.
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(&path, bytes).unwrap();
+    let mut third = load();
+    assert!(third.report().cache_problem.as_deref().unwrap_or("").contains("corrupt"));
+    assert_eq!(all_logits(&mut first, &e.ids), all_logits(&mut third, &e.ids));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
