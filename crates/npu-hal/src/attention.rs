@@ -1,9 +1,9 @@
 //! Causal grouped-query attention over a paged KV cache, split over the CPU NPU's pool, in two
 //! numerics:
 //!
-//! - [`AttentionNumerics::F32`]: scores, softmax and the weighted sum of V in f32 (kv-paged's
+//! - [`Numerics::Standard`]: scores, softmax and the weighted sum of V in f32 (kv-paged's
 //!   kernels; decode streams K/V page by page).
-//! - [`AttentionNumerics::F16Flash`]: what ggml's CPU flash attention computes (and an NPU with
+//! - [`Numerics::Ggml`]: what ggml's CPU flash attention computes (and an NPU with
 //!   f16 accumulators would): the query rounded to f16, f32 dot products of f16 values, an online
 //!   softmax, and the V accumulator held in f16 and rounded after every update, divided by the
 //!   softmax sum at the end. It exists so a model run here can reproduce llama.cpp's logits (the
@@ -19,15 +19,8 @@ use half::f16;
 use kv_paged::{KvCache, SeqId};
 
 use crate::Error;
+use crate::kernels::Numerics;
 use crate::pool::{WorkerPool, share};
-
-/// How attention rounds (see the module documentation).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AttentionNumerics {
-    #[default]
-    F32,
-    F16Flash,
-}
 
 /// Attention for `n = q.len() / (q_heads * head_dim)` queries at positions
 /// `first_pos..first_pos + n` of `seq`, whose K/V are already in the cache; query `i` sees
@@ -42,7 +35,7 @@ pub(crate) fn attend(
     first_pos: usize,
     q: &[f32],
     out: &mut [f32],
-    numerics: AttentionNumerics,
+    numerics: Numerics,
 ) -> Result<(), Error> {
     let l = *kv.layout();
     let hd = l.head_dim;
@@ -58,7 +51,7 @@ pub(crate) fn attend(
             }
         })
         .collect();
-    if n == 1 && numerics == AttentionNumerics::F32 {
+    if n == 1 && numerics == Numerics::Standard {
         // Decode: stream the pages, no gather.
         let mut slices: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(spans.len());
         let mut rest = out;
@@ -107,7 +100,7 @@ pub(crate) fn attend(
                 let qv = &q[i * stride + h * hd..i * stride + (h + 1) * hd];
                 let o = &mut row[(h - span.start) * hd..(h - span.start + 1) * hd];
                 match numerics {
-                    AttentionNumerics::F32 => {
+                    Numerics::Standard => {
                         scores.clear();
                         scores
                             .extend((0..visible).map(|t| {
@@ -128,7 +121,7 @@ pub(crate) fn attend(
                             }
                         }
                     }
-                    AttentionNumerics::F16Flash => {
+                    Numerics::Ggml => {
                         for (d, &s) in qh16.iter_mut().zip(qv) {
                             *d = f16::from_f32(s).to_f32();
                         }
@@ -144,11 +137,90 @@ pub(crate) fn attend(
 /// One query of ggml's CPU flash attention with an f16 V accumulator (its
 /// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for f16 V), `q` already f16-rounded.
 fn flash_f16(q: &[f32], k: &[f32], v: &[f32], len: usize, hd: usize, scale: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has FMA (checked just above), the only requirement of this build.
+        unsafe { flash_f16_fma(q, k, v, len, hd, scale, out) };
+        return;
+    }
+    flash_f16_body(q, k, v, len, hd, scale, out);
+}
+
+/// [`flash_f16_body`] compiled with FMA, so `mul_add` is one instruction as in ggml's build.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn flash_f16_fma(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    hd: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    flash_f16_body(q, k, v, len, hd, scale, out);
+}
+
+/// ggml's `ggml_vec_dot_f16` on x86 with F16C and FMA: `lanes` running sums (32 for its AVX2
+/// build, 64 for AVX-512: four registers of 8 or 16 lanes), element `i` of each step fused into
+/// sum `i % lanes`, then the registers reduced as its `GGML_F32x8_REDUCE` / `GGML_F32x16_REDUCE`
+/// do; a tail past the last whole step is added last, in f64, as ggml does. Reproducing the order
+/// makes the scores bit-identical to llama.cpp's on the same build.
+#[inline(always)]
+fn dot_ggml(a: &[f32], b: &[f32], wide: bool) -> f32 {
+    let lanes = if wide { 64 } else { 32 };
+    let mut acc = [0f32; 64];
+    let whole = a.len() / lanes * lanes;
+    for (ca, cb) in a[..whole]
+        .chunks_exact(lanes)
+        .zip(b[..whole].chunks_exact(lanes))
+    {
+        for i in 0..lanes {
+            acc[i] = ca[i].mul_add(cb[i], acc[i]);
+        }
+    }
+    let reg = lanes / 4;
+    // x0 += x2, x1 += x3, then x0 += x1, lane by lane.
+    let mut x = [0f32; 16];
+    for l in 0..reg {
+        x[l] = (acc[l] + acc[2 * reg + l]) + (acc[reg + l] + acc[3 * reg + l]);
+    }
+    let total = if wide {
+        // _mm512_reduce_add_ps: 256-bit halves, 128-bit halves, then pairs.
+        let t3: [f32; 8] = std::array::from_fn(|l| x[8 + l] + x[l]);
+        let t6: [f32; 4] = std::array::from_fn(|l| t3[4 + l] + t3[l]);
+        (t6[0] + t6[2]) + (t6[1] + t6[3])
+    } else {
+        // 128-bit halves, then two horizontal adds.
+        let t: [f32; 4] = std::array::from_fn(|l| x[l] + x[4 + l]);
+        (t[0] + t[1]) + (t[2] + t[3])
+    };
+    let mut sum = f64::from(total);
+    for (x, y) in a[whole..].iter().zip(&b[whole..]) {
+        sum += f64::from(x * y);
+    }
+    sum as f32
+}
+
+#[inline(always)]
+fn flash_f16_body(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    hd: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     let round = |x: f32| f16::from_f32(x).to_f32();
+    #[cfg(target_arch = "x86_64")]
+    let wide = std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
     let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
     out.fill(0.0);
     for t in 0..len {
-        let s = crate::kernels::dot(q, &k[t * hd..(t + 1) * hd]) * scale;
+        let s = dot_ggml(q, &k[t * hd..(t + 1) * hd], wide) * scale;
         let (mut ms, mut vs) = (1f32, 1f32);
         if s > m {
             ms = (m - s).exp();
@@ -160,7 +232,7 @@ fn flash_f16(q: &[f32], k: &[f32], v: &[f32], len: usize, hd: usize, scale: f32,
             vs = (s - m).exp();
         }
         for (a, &x) in out.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
-            *a = round(*a + x * vs);
+            *a = round(x.mul_add(vs, *a));
         }
         sum = sum * ms + vs;
     }

@@ -60,6 +60,8 @@ struct Scratch {
     q8: Vec<Q8Activations>,
     /// Rounded activations for dense linear layers.
     rounded: Vec<f32>,
+    /// Per-row 8-bit activations for ggml block weights.
+    blocks: Vec<crate::ggml::QuantizedActivations>,
 }
 
 /// The CPU reference NPU.
@@ -73,7 +75,7 @@ pub struct CpuNpu {
     tensors: Vec<CpuTensor>,
     scratch: Scratch,
     /// RoPE inverse frequencies per `(head_dim, theta bits)`.
-    rope_freqs: Vec<((usize, u32), Vec<f32>)>,
+    rope_freqs: Vec<((usize, u32), kernels::RopeFreqs)>,
 }
 
 impl CpuNpu {
@@ -196,7 +198,7 @@ impl CpuNpu {
                     ));
                 }
             }
-            Op::SwiGlu { gate, up, out } => {
+            Op::SwiGlu { gate, up, out, .. } => {
                 let (g, u, o) = (
                     self.tensor(gate, i)?,
                     self.tensor(up, i)?,
@@ -297,6 +299,7 @@ impl CpuNpu {
                     match w {
                         Weight::Mx(m) => m.dequantize_row(t, row)?,
                         Weight::Dense(d) => row.copy_from_slice(d.row(t)),
+                        Weight::Block(m) => m.dequantize_row(t, row),
                         Weight::Vector(v) => row.copy_from_slice(v),
                     }
                 }
@@ -383,7 +386,7 @@ impl CpuNpu {
                     Some(p) => p,
                     None => {
                         self.rope_freqs
-                            .push((key, kernels::rope_inv_freq(head_dim, theta)));
+                            .push((key, kernels::rope_freqs(head_dim, theta)));
                         self.rope_freqs.len() - 1
                     }
                 };
@@ -394,9 +397,15 @@ impl CpuNpu {
                     kernels::rope(row, head_dim, b.first_pos + r, inv, style);
                 }
             }
-            Op::SwiGlu { gate, up, out } => {
+            Op::SwiGlu {
+                gate,
+                up,
+                out,
+                numerics,
+            } => {
                 let ts = &self.tensors;
-                let len = n * ts[gate.0 as usize].width * 4;
+                let width = ts[gate.0 as usize].width;
+                let len = n * width * 4;
                 let gg = ts[gate.0 as usize]
                     .buffer
                     .cpu_access(0..len, Access::Read)?;
@@ -404,11 +413,15 @@ impl CpuNpu {
                 let mut go = ts[out.0 as usize]
                     .buffer
                     .cpu_access(0..len, Access::Write)?;
-                kernels::swiglu(
-                    gg.typed::<f32>()?,
-                    gu.typed::<f32>()?,
-                    go.typed_mut::<f32>()?,
-                );
+                // Row by row: the ggml numerics split each row into whole vectors and a tail.
+                for ((g, u), o) in gg
+                    .typed::<f32>()?
+                    .chunks_exact(width)
+                    .zip(gu.typed::<f32>()?.chunks_exact(width))
+                    .zip(go.typed_mut::<f32>()?.chunks_exact_mut(width))
+                {
+                    kernels::swiglu(g, u, o, numerics);
+                }
             }
             Op::Add { acc, x } => {
                 let ts = &self.tensors;
@@ -484,7 +497,11 @@ fn linear(
     tokens: usize,
     scratch: &mut Scratch,
 ) -> Result<(), Error> {
-    let Scratch { q8, rounded } = scratch;
+    let Scratch {
+        q8,
+        rounded,
+        blocks,
+    } = scratch;
     let (rows, cols) = w.shape();
     let parts = pool.threads();
     // One contiguous share of output rows per part, cut at 16-row tiles.
@@ -589,6 +606,23 @@ fn linear(
                 }
                 let mut ys = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
                 d.gemm_rows(&x[..tokens * cols], span.clone(), &mut ys);
+            });
+        }
+        Weight::Block(m) => {
+            if blocks.len() < tokens {
+                blocks.resize_with(tokens, Default::default);
+            }
+            for (t, act) in blocks.iter_mut().take(tokens).enumerate() {
+                act.quantize(m.block_type(), &x[t * cols..(t + 1) * cols]);
+            }
+            let xs = &blocks[..tokens];
+            pool.run(&|p| {
+                let span = &spans[p];
+                if span.is_empty() {
+                    return;
+                }
+                let mut ys = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+                m.gemm_rows(xs, span.clone(), &mut ys);
             });
         }
         Weight::Vector(_) => {

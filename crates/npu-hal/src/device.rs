@@ -36,8 +36,11 @@ pub struct TensorId(pub(crate) u32);
 pub enum Weight {
     /// A matrix in mx-quant's tiled MX layout (linear layers, embedding tables).
     Mx(MxMatrix),
-    /// A dense f32 matrix (the exact policy's storage).
+    /// A dense f32 matrix.
     Dense(DenseMatrix),
+    /// A matrix in ggml's own block format (Q4_0, Q4_1, Q8_0) as a GGUF file stores it, with
+    /// ggml's integer dot products (the exact policy's storage for such files).
+    Block(crate::ggml::BlockMatrix),
     /// A vector (norm gains).
     Vector(Vec<f32>),
 }
@@ -48,6 +51,7 @@ impl Weight {
         match self {
             Weight::Mx(m) => m.shape(),
             Weight::Dense(d) => d.shape(),
+            Weight::Block(b) => b.shape(),
             Weight::Vector(v) => (1, v.len()),
         }
     }
@@ -57,6 +61,7 @@ impl Weight {
         match self {
             Weight::Mx(m) => m.stream_bytes(),
             Weight::Dense(d) => d.bytes(),
+            Weight::Block(b) => b.bytes(),
             Weight::Vector(v) => v.len() * 4,
         }
     }
@@ -105,6 +110,7 @@ pub enum Op {
         gate: TensorId,
         up: TensorId,
         out: TensorId,
+        numerics: crate::kernels::Numerics,
     },
     /// `acc += x`, in place.
     Add { acc: TensorId, x: TensorId },
@@ -117,7 +123,7 @@ pub enum Op {
         v: TensorId,
         out: TensorId,
         q_heads: usize,
-        numerics: crate::attention::AttentionNumerics,
+        numerics: crate::kernels::Numerics,
     },
 }
 

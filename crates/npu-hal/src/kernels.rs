@@ -8,15 +8,17 @@
 /// Root-mean-square normalisation: `out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert!(x.len() == w.len() && x.len() == out.len());
-    let mut acc = [0f32; 8];
-    let chunks = x.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
+    // The sum of squares in f64, as ggml does (`sum += (ggml_float)(x * x)`: each square
+    // rounded to f32 first): one token's vector is a few hundred values, so the cost is nothing.
+    let mut acc = [0f64; 4];
+    let chunks = x.chunks_exact(4);
+    let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v * v)).sum();
     for c in chunks {
-        for i in 0..8 {
-            acc[i] += c[i] * c[i];
+        for i in 0..4 {
+            acc[i] += f64::from(c[i] * c[i]);
         }
     }
-    let mean = (acc.iter().sum::<f32>() + tail) / x.len() as f32;
+    let mean = ((acc.iter().sum::<f64>() + tail) / x.len() as f64) as f32;
     let inv = 1.0 / (mean + eps).sqrt();
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = v * inv * g;
@@ -33,23 +35,51 @@ pub enum RopeStyle {
     HalfSplit,
 }
 
-/// Inverse frequencies `theta^(-2i/d)` for `i < d/2` (computed in f64, stored as f32).
-pub fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
-    (0..head_dim / 2)
-        .map(|i| (f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64)) as f32)
-        .collect()
+/// The frequencies of one RoPE configuration, in the form each style's reference computes them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeFreqs {
+    /// `theta^(-2i/d)` for `i < d/2` (computed in f64, stored as f32): Hugging Face's
+    /// `inv_freq`, angle `pos * inv_freq[i]` in f32.
+    pub inv_freq: Vec<f32>,
+    /// `powf(theta, -2/d)` in f32: ggml's `theta_scale`, angle `i` reached by multiplying
+    /// `pos` by it `i` times in f32 (`ggml_rope_cache_init`).
+    pub theta_scale: f32,
 }
 
-/// Rotates every head of one token's `x` (`heads * head_dim` values) to position `pos`.
-pub fn rope(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], style: RopeStyle) {
+/// The frequencies for `head_dim` and base `theta`.
+pub fn rope_freqs(head_dim: usize, theta: f32) -> RopeFreqs {
+    RopeFreqs {
+        inv_freq: (0..head_dim / 2)
+            .map(|i| (f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64)) as f32)
+            .collect(),
+        theta_scale: theta.powf(-2.0 / head_dim as f32),
+    }
+}
+
+/// Rotates every head of one token's `x` (`heads * head_dim` values) to position `pos`. The
+/// angles are computed as the style's reference runtime computes them (ggml for
+/// [`RopeStyle::Interleaved`], transformers for [`RopeStyle::HalfSplit`]), so each agrees with
+/// the numbers its model files were checked against.
+pub fn rope(x: &mut [f32], head_dim: usize, pos: usize, freqs: &RopeFreqs, style: RopeStyle) {
     let half = head_dim / 2;
-    debug_assert_eq!(inv_freq.len(), half);
+    debug_assert_eq!(freqs.inv_freq.len(), half);
     // The angles are the same for every head: compute them once.
-    let mut cs = [(0f32, 0f32); 256];
-    let cs = &mut cs[..half.min(256)];
-    for (c, &f) in cs.iter_mut().zip(inv_freq) {
-        let angle = pos as f32 * f;
-        *c = (angle.cos(), angle.sin());
+    let mut cs = [(0f32, 0f32); MAX_ROPE_HEAD_DIM / 2];
+    let cs = &mut cs[..half.min(MAX_ROPE_HEAD_DIM / 2)];
+    match style {
+        RopeStyle::Interleaved => {
+            let mut theta = pos as f32;
+            for c in cs.iter_mut() {
+                *c = (theta.cos(), theta.sin());
+                theta *= freqs.theta_scale;
+            }
+        }
+        RopeStyle::HalfSplit => {
+            for (c, &f) in cs.iter_mut().zip(&freqs.inv_freq) {
+                let angle = pos as f32 * f;
+                *c = (angle.cos(), angle.sin());
+            }
+        }
     }
     for head in x.chunks_exact_mut(head_dim) {
         for (i, &(cos, sin)) in cs.iter().enumerate() {
@@ -67,10 +97,99 @@ pub fn rope(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], style:
 /// The largest head dimension [`rope`] supports.
 pub const MAX_ROPE_HEAD_DIM: usize = 512;
 
+/// Which arithmetic the ops whose rounding is a choice use.
+///
+/// - `Standard`: IEEE f32 with the platform's `expf`; f32 attention.
+/// - `Ggml`: what ggml's x86 CPU backend computes, step for step: its vectorised `expf`
+///   approximation inside SiLU, and its f16 flash attention (query rounded to f16, dot products
+///   summed in its register order, V accumulated in f16). With the block weights of
+///   [`crate::ggml`], a GGUF model's logits are bit-identical to llama.cpp's on the same CPU, which
+///   is what makes them comparable token for token. It is not more accurate; it is comparable.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Numerics {
+    #[default]
+    Standard,
+    Ggml,
+}
+
 /// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
-pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], numerics: Numerics) {
+    match numerics {
+        Numerics::Standard => {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+        Numerics::Ggml => {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("fma") {
+                let wide = std::arch::is_x86_feature_detected!("avx512f");
+                // SAFETY: the CPU has FMA (checked just above), the only requirement of the build.
+                unsafe { swiglu_ggml_fma(gate, up, out, wide) };
+                return;
+            }
+            swiglu_ggml(gate, up, out, false);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn swiglu_ggml_fma(gate: &[f32], up: &[f32], out: &mut [f32], wide: bool) {
+    swiglu_ggml(gate, up, out, wide);
+}
+
+/// ggml's `ggml_vec_swiglu_f32`: whole vectors (16 lanes with AVX-512, 8 with AVX2) through its
+/// `ggml_v_silu`, the tail through the scalar `ggml_silu_f32` (libm `expf`).
+#[inline(always)]
+fn swiglu_ggml(gate: &[f32], up: &[f32], out: &mut [f32], wide: bool) {
+    let lanes = if wide { 16 } else { 8 };
+    let whole = gate.len() / lanes * lanes;
+    for i in 0..gate.len() {
+        let g = gate[i];
+        let silu = if i < whole {
+            g / (1.0 + ggml_v_expf(0.0 - g, wide))
+        } else {
+            g / (1.0 + (-g).exp())
+        };
+        out[i] = silu * up[i];
+    }
+}
+
+/// One lane of ggml's vectorised `expf` (`ggml_v_expf`, after Arm's optimized routines): the
+/// AVX-512 build scales with `scalef`, the AVX2 build by building `2^n` in the exponent bits.
+#[inline(always)]
+fn ggml_v_expf(x: f32, wide: bool) -> f32 {
+    let r = f32::from_bits(0x4b40_0000); // 0x1.8p23
+    let z = x.mul_add(f32::from_bits(0x3fb8_aa3b), r); // 0x1.715476p+0
+    let n = z - r;
+    let b = (-n).mul_add(
+        f32::from_bits(0x35bf_be8e),                  // 0x1.7f7d1cp-20
+        (-n).mul_add(f32::from_bits(0x3f31_7200), x), // 0x1.62e4p-1
+    );
+    let u = b * b;
+    let c4 = f32::from_bits(0x3c07_2010); // 0x1.0e4020p-7
+    let c3 = f32::from_bits(0x3d2b_9f17); // 0x1.573e2ep-5
+    let c2 = f32::from_bits(0x3e2a_af33); // 0x1.555e66p-3
+    let c1 = f32::from_bits(0x3eff_fedb); // 0x1.fffdb6p-2
+    let c0 = f32::from_bits(0x3f7f_fff6); // 0x1.ffffecp-1
+    let poly_hi = c4.mul_add(b, c3).mul_add(u, c2.mul_add(b, c1));
+    if wide {
+        let j = poly_hi.mul_add(u, c0.mul_add(b, 1.0));
+        if n.abs() > 192.0 {
+            return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+        }
+        // scalef(j, n) = j * 2^floor(n); n is integral here.
+        j * 2f32.powi(n as i32)
+    } else {
+        let j = poly_hi.mul_add(u, c0 * b);
+        if n.abs() > 126.0 {
+            // ggml's AVX2 build takes a slower exact-scaling path out here (|x| > 87); SiLU only
+            // sees 1 + e^-g there, which is 1 or infinity either way.
+            return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+        }
+        let k = f32::from_bits((z.to_bits() << 23).wrapping_add(1f32.to_bits()));
+        j.mul_add(k, k)
     }
 }
 
@@ -290,7 +409,7 @@ mod tests {
 
     #[test]
     fn rope_styles_rotate_the_documented_pairs() {
-        let inv = rope_inv_freq(8, 10000.0);
+        let inv = rope_freqs(8, 10000.0);
         let base: Vec<f32> = (0..16).map(|i| i as f32 + 1.0).collect();
         for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
             let mut x = base.clone();
@@ -352,7 +471,12 @@ mod tests {
     #[test]
     fn swiglu_is_silu_times_up() {
         let mut out = [0f32; 3];
-        swiglu(&[0.0, 1.0, -2.0], &[2.0, 3.0, 4.0], &mut out);
+        swiglu(
+            &[0.0, 1.0, -2.0],
+            &[2.0, 3.0, 4.0],
+            &mut out,
+            Numerics::Standard,
+        );
         assert_eq!(out[0], 0.0);
         assert!((out[1] - 3.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
         assert!((out[2] - 4.0 * -2.0 / (1.0 + 2f32.exp())).abs() < 1e-6);

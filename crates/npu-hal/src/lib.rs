@@ -27,11 +27,15 @@
 //! - [`pool`]: erasing the lifetime of the job closure that `WorkerPool::run` broadcasts, sound
 //!   because `run` does not return before every worker is done with it.
 //! - [`kernels`]: calling the AVX2+FMA build of the dense GEMM after detecting those features.
+//! - [`attention`]: calling the FMA build of the f16 flash-attention kernel after detecting FMA.
+//! - [`ggml`]: SIMD loads and stores in the block dot products, and calling the AVX2 / AVX-512
+//!   VNNI builds after detecting those features.
 
 pub mod accel;
 pub mod attention;
 mod cpu;
 mod device;
+pub mod ggml;
 pub mod kernels;
 pub mod pool;
 pub mod sampling;
@@ -42,7 +46,7 @@ pub use device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
     WeightId,
 };
-pub use kernels::{ActivationRounding, DenseMatrix, RopeStyle};
+pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
 #[cfg(doctest)]

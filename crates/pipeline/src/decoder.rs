@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use kv_paged::{KvCache, KvLayout, PageDtype};
 use mx_quant::{ElemFormat, QuantOptions, ScaleRule};
-use npu_hal::attention::AttentionNumerics;
+use npu_hal::Numerics;
 use npu_hal::{
     ActivationRounding, Batch, DenseMatrix, Device, Op, Rows, Submission, TensorId, Weight,
     WeightId,
@@ -104,8 +104,9 @@ pub struct WeightPolicy {
     /// blocks for block-quantized weights, f16 for f16...), so `exact` reproduces llama.cpp's
     /// numbers; `false` keeps activations in f32 (`exact-f32`).
     pub source_activations: bool,
-    /// Attention rounding: f32, or llama.cpp's f16 flash attention for `exact`.
-    pub attention_numerics: AttentionNumerics,
+    /// Standard f32 arithmetic, or ggml's (its SiLU `expf` and f16 flash attention) for `exact`,
+    /// which with ggml's block weights makes the logits bit-identical to llama.cpp's.
+    pub numerics: Numerics,
 }
 
 impl WeightPolicy {
@@ -123,11 +124,11 @@ impl WeightPolicy {
             mlp_down: s,
             scale: ScaleRule::MseSearch,
             source_activations: true,
-            attention_numerics: AttentionNumerics::F32,
+            numerics: Numerics::Standard,
         };
         Ok(match name {
             "exact" => WeightPolicy {
-                attention_numerics: AttentionNumerics::F16Flash,
+                numerics: Numerics::Ggml,
                 ..uniform("exact", Storage::Exact)
             },
             "exact-f32" => WeightPolicy {
@@ -428,7 +429,7 @@ impl Decoder {
                     v,
                     out: attn,
                     q_heads: c.heads,
-                    numerics: policy.attention_numerics,
+                    numerics: policy.numerics,
                 },
                 linear(l.o, attn, o),
                 Op::Add { acc: x, x: o },
@@ -440,7 +441,12 @@ impl Decoder {
                 },
                 linear(l.gate, xn, gate),
                 linear(l.up, xn, up),
-                Op::SwiGlu { gate, up, out: act },
+                Op::SwiGlu {
+                    gate,
+                    up,
+                    out: act,
+                    numerics: policy.numerics,
+                },
                 linear(l.down, act, o),
                 Op::Add { acc: x, x: o },
             ]);
@@ -780,6 +786,22 @@ fn dense(
     policy: &WeightPolicy,
 ) -> Result<Weight, DecodeError> {
     use crate::model::SourceDtype;
+    // Block-quantized sources stay in their own blocks under the exact policy: the same values,
+    // a quarter to a sixth of the bytes, and ggml's own dot products.
+    if policy.source_activations
+        && let Some((dtype, bytes)) = source.raw(name)
+    {
+        let ty = match dtype {
+            SourceDtype::Q4_0 => Some(npu_hal::ggml::BlockType::Q4_0),
+            SourceDtype::Q4_1 => Some(npu_hal::ggml::BlockType::Q4_1),
+            SourceDtype::Q8_0 => Some(npu_hal::ggml::BlockType::Q8_0),
+            _ => None,
+        };
+        if let Some(ty) = ty {
+            let m = npu_hal::ggml::BlockMatrix::new(ty, rows, cols, bytes.to_vec())?;
+            return Ok(Weight::Block(m));
+        }
+    }
     let mut data = vec![0f32; rows * cols];
     source.read_rows(name, 0..rows, &mut data)?;
     let rounding = match source.dtype(name) {

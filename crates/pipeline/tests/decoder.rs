@@ -187,17 +187,38 @@ fn converted_weights_are_cached_and_a_corrupt_cache_is_not_used() {
         pipeline::llm::open_decoder(&model, options, 2).unwrap().0
     };
     let mut first = load();
-    let path = first.report().cache_written.clone().expect("the first load writes the cache");
+    let path = first
+        .report()
+        .cache_written
+        .clone()
+        .expect("the first load writes the cache");
     assert_eq!(first.report().from_cache, 0);
     let mut second = load();
-    assert_eq!(second.report().from_cache, 2 * 7 + 2, "every MX matrix comes from the cache");
-    assert_eq!(all_logits(&mut first, &e.ids), all_logits(&mut second, &e.ids));
+    assert_eq!(
+        second.report().from_cache,
+        2 * 7 + 2,
+        "every MX matrix comes from the cache"
+    );
+    assert_eq!(
+        all_logits(&mut first, &e.ids),
+        all_logits(&mut second, &e.ids)
+    );
     // A corrupt cache is reported and ignored; the load converts again.
     let mut bytes = std::fs::read(&path).unwrap();
     bytes.truncate(bytes.len() / 2);
     std::fs::write(&path, bytes).unwrap();
     let mut third = load();
-    assert!(third.report().cache_problem.as_deref().unwrap_or("").contains("corrupt"));
-    assert_eq!(all_logits(&mut first, &e.ids), all_logits(&mut third, &e.ids));
+    assert!(
+        third
+            .report()
+            .cache_problem
+            .as_deref()
+            .unwrap_or("")
+            .contains("corrupt")
+    );
+    assert_eq!(
+        all_logits(&mut first, &e.ids),
+        all_logits(&mut third, &e.ids)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

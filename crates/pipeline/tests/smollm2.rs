@@ -1,0 +1,97 @@
+//! The decoder on the real SmolLM2-135M-Instruct (GGUF Q4_1), against llama.cpp's numbers:
+//! the `exact` policy's greedy completion of the reference prompt, token for token, and
+//! perplexity on the Apache-2.0 text within 1% of llama.cpp's 15.93; the default MX policy's
+//! perplexity within 10% of it.
+//!
+//! The model is fetched, never committed: these tests are ignored until it is there
+//! (`cargo xtask fetch-model smollm2-135m`; CI fetches it and runs them with `--ignored`). The
+//! path is `$SMOLLM2_GGUF`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf` at the workspace root.
+
+use std::path::PathBuf;
+
+use npu_hal::sampling::SamplingParams;
+use pipeline::decoder::{Decoder, DecoderOptions, WeightPolicy};
+
+/// llama.cpp's perplexity for this file and text at ctx 512 (issue #6).
+const LLAMA_CPP_PPL: f64 = 15.93;
+const APACHE: &str = "/usr/share/common-licenses/Apache-2.0";
+
+fn model_path() -> PathBuf {
+    std::env::var_os("SMOLLM2_GGUF").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        },
+        PathBuf::from,
+    )
+}
+
+fn open(policy: &str) -> (Decoder, pipeline::model::tokenizer::Tokenizer) {
+    let path = model_path();
+    assert!(
+        path.is_file(),
+        "{} is missing: run `cargo xtask fetch-model smollm2-135m`",
+        path.display()
+    );
+    let options = DecoderOptions {
+        policy: WeightPolicy::parse(policy).unwrap(),
+        ctx: 512,
+        max_logit_rows: 32,
+        ..DecoderOptions::default()
+    };
+    let (d, t) = pipeline::llm::open_decoder(&path, options, 0).unwrap();
+    (d, t.expect("the GGUF carries its tokenizer"))
+}
+
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn exact_policy_completes_the_prompt_as_llama_cpp_does() {
+    let (mut d, tok) = open("exact");
+    let prompt = tok
+        .encode("Once upon a time, there was a little robot who", false)
+        .unwrap();
+    let mut ids = Vec::new();
+    pipeline::llm::generate(&mut d, &prompt, 20, SamplingParams::default(), &[], |t| {
+        ids.push(t);
+        true
+    })
+    .unwrap();
+    let text = tok.decode(&ids).unwrap();
+    let want = " had a special ability to make things disappear. He was called \"The Disappear\" by his friends.";
+    let want_ids = tok.encode(want, false).unwrap();
+    let agree = ids
+        .iter()
+        .zip(&want_ids)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        agree >= 16,
+        "only {agree} tokens agree with llama.cpp's completion; got {text:?}"
+    );
+}
+
+fn ppl(policy: &str) -> f64 {
+    let (mut d, tok) = open(policy);
+    let text = std::fs::read_to_string(APACHE).expect("Debian's common-licenses/Apache-2.0");
+    let tokens = tok.encode(&text, false).unwrap();
+    let r = pipeline::llm::perplexity(&mut d, &tokens, 512, None, |_, _| {}).unwrap();
+    eprintln!("{policy}: perplexity {:.4} over {} chunks", r.ppl, r.chunks);
+    r.ppl
+}
+
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn exact_policy_perplexity_is_within_one_percent_of_llama_cpp() {
+    let p = ppl("exact");
+    assert!(
+        (p / LLAMA_CPP_PPL - 1.0).abs() < 0.01,
+        "exact perplexity {p} vs llama.cpp {LLAMA_CPP_PPL}"
+    );
+}
+
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn default_mx_policy_perplexity_is_within_ten_percent_of_q4_1() {
+    let p = ppl("default");
+    assert!(p <= LLAMA_CPP_PPL * 1.10, "default-policy perplexity {p}");
+}
