@@ -197,6 +197,19 @@ impl MxMatrix {
         Ok((tile_blocks * TILE_ROWS, codes))
     }
 
+    /// A matrix of zero codes and scales in the tiled layout, to be filled through
+    /// [`MxMatrix::tiled_parts_mut`] (e.g. read straight from a saved file, with no staging copy).
+    pub fn zeros(format: ElemFormat, rows: usize, cols: usize) -> Result<MxMatrix, Error> {
+        check_block_multiple(cols)?;
+        MxMatrix::zeroed(format, rows, cols)
+    }
+
+    /// The tiled storage as mutable bytes, `(scales, codes)`: any byte is a valid scale or
+    /// code, so whatever is written there is a well-formed matrix.
+    pub fn tiled_parts_mut(&mut self) -> (&mut [u8], &mut [u8]) {
+        (&mut self.scales, bytemuck::cast_slice_mut(&mut self.lines))
+    }
+
     /// Rebuilds a matrix from [`MxMatrix::tiled_parts`]; the lengths are checked against the
     /// shape (the bytes may come from an untrusted file: any byte is a valid code or scale).
     pub fn from_tiled_parts(

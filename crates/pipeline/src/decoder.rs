@@ -147,10 +147,18 @@ impl WeightPolicy {
             "fastest" => WeightPolicy {
                 embedding: Storage::Mx(Int8),
                 output: Storage::Mx(Int8),
-                attention: Storage::Mx(Fp4E2M1),
+                attention: Storage::Mx(Fp6E2M3),
                 mlp_in: Storage::Mx(Fp4E2M1),
                 mlp_down: Storage::Mx(Fp4E2M1),
                 ..uniform("fastest", Storage::Exact)
+            },
+            "fp4" => WeightPolicy {
+                embedding: Storage::Mx(Int8),
+                output: Storage::Mx(Int8),
+                attention: Storage::Mx(Fp4E2M1),
+                mlp_in: Storage::Mx(Fp4E2M1),
+                mlp_down: Storage::Mx(Fp4E2M1),
+                ..uniform("fp4", Storage::Exact)
             },
             spec if spec.contains('=') => {
                 let mut p = uniform(spec, Storage::Exact);

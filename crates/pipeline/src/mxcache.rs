@@ -85,6 +85,7 @@ pub struct Planned {
 #[derive(Debug)]
 pub struct MxCache {
     path: PathBuf,
+    file: std::fs::File,
     map: memmap2::Mmap,
     entries: HashMap<String, (ElemFormat, usize, usize)>,
 }
@@ -141,6 +142,7 @@ impl MxCache {
             .map_err(|e| corrupt(format!("tensor table: {e}")))?;
         Ok(Some(MxCache {
             path: path.into(),
+            file,
             map,
             entries,
         }))
@@ -161,16 +163,42 @@ impl MxCache {
             path: self.path.clone(),
             what,
         };
-        let st = safetensors::SafeTensors::deserialize(&self.map[..])
-            .map_err(|e| corrupt(format!("tensor table: {e}")))?;
-        let part = |suffix: &str| {
-            st.tensor(&format!("{name}.{suffix}"))
-                .map_err(|e| corrupt(format!("{name}.{suffix}: {e}")))
-        };
-        let (scales, codes) = (part("scales")?, part("codes")?);
-        MxMatrix::from_tiled_parts(format, rows, cols, scales.data(), codes.data())
-            .map(Some)
-            .map_err(|e| corrupt(format!("{name}: {e}")))
+        // Offsets come from the header, validated at open; the bytes are read with pread straight
+        // into the matrix, so they are resident once (not in the page cache mapping and the heap).
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&self.map[..])
+            .map_err(|e| corrupt(format!("header: {e}")))?;
+        let header_len = u64::from_le_bytes(
+            self.map[..8]
+                .try_into()
+                .map_err(|_| corrupt("shorter than its header length".into()))?,
+        );
+        let data_start = 8 + header_len as usize;
+        let mut m =
+            MxMatrix::zeros(format, rows, cols).map_err(|e| corrupt(format!("{name}: {e}")))?;
+        let (scales, codes) = m.tiled_parts_mut();
+        for (suffix, dst) in [("scales", scales), ("codes", codes)] {
+            let tensor = format!("{name}.{suffix}");
+            let info = metadata
+                .info(&tensor)
+                .ok_or_else(|| corrupt(format!("{tensor} is listed but absent")))?;
+            let (begin, end) = info.data_offsets;
+            if end - begin != dst.len() {
+                return Err(corrupt(format!(
+                    "{tensor} holds {} bytes, its shape needs {}",
+                    end - begin,
+                    dst.len()
+                )));
+            }
+            let at = (data_start + begin) as u64;
+            std::os::unix::fs::FileExt::read_exact_at(&self.file, dst, at).map_err(|source| {
+                CacheError::Io {
+                    path: self.path.clone(),
+                    what: format!("reading {tensor}"),
+                    source,
+                }
+            })?;
+        }
+        Ok(Some(m))
     }
 }
 
