@@ -101,25 +101,7 @@ pub(crate) fn attend(
                 let o = &mut row[(h - span.start) * hd..(h - span.start + 1) * hd];
                 match numerics {
                     Numerics::Standard => {
-                        scores.clear();
-                        scores
-                            .extend((0..visible).map(|t| {
-                                crate::kernels::dot(qv, &k[t * hd..(t + 1) * hd]) * scale
-                            }));
-                        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                        let mut sum = 0.0;
-                        for s in scores.iter_mut() {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                        o.fill(0.0);
-                        let inv = 1.0 / sum;
-                        for (t, &p) in scores.iter().enumerate() {
-                            let w = p * inv;
-                            for (a, &x) in o.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
-                                *a += w * x;
-                            }
-                        }
+                        attend_f32(qv, &k, &v, visible, hd, scale, &mut scores, o)
                     }
                     Numerics::Ggml => {
                         for (d, &s) in qh16.iter_mut().zip(qv) {
@@ -132,6 +114,76 @@ pub(crate) fn attend(
         }
         Ok(())
     })
+}
+
+/// One query of f32 attention: scores, max-subtracted softmax, weighted sum of V. Compiled a
+/// second time with AVX2 and FMA (picked at run time), since the crate's baseline target has
+/// only SSE2 and this loop is most of a long prompt's attention time.
+#[allow(clippy::too_many_arguments)]
+fn attend_f32(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked just above), the only requirement of the
+        // target-feature build; the body is safe code.
+        unsafe { attend_f32_avx2(q, k, v, len, hd, scale, scores, out) };
+        return;
+    }
+    attend_f32_body(q, k, v, len, hd, scale, scores, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn attend_f32_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    attend_f32_body(q, k, v, len, hd, scale, scores, out);
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_f32_body(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    scores.clear();
+    scores.extend((0..len).map(|t| crate::kernels::dot(q, &k[t * hd..(t + 1) * hd]) * scale));
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let mut sum = 0.0;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    out.fill(0.0);
+    let inv = 1.0 / sum;
+    for (t, &p) in scores.iter().enumerate() {
+        let w = p * inv;
+        for (a, &x) in out.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
+            *a += w * x;
+        }
+    }
 }
 
 /// One query of ggml's CPU flash attention with an f16 V accumulator (its
