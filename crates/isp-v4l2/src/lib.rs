@@ -14,8 +14,12 @@
 //! - [`ImageSource`] (PNG/JPEG files and folders through the `image` crate) and
 //!   [`open_source`], which parses `pattern:`/`file:`/`camera:` specs.
 //!
-//! Still to come with issue #7: V4L2 capture (feature `v4l2`), the SIMD and WGSL ISP kernels,
-//! resize agreement with ffmpeg.
+//! - `v4l2` (feature `v4l2`): camera discovery, format negotiation and streaming with MMAP
+//!   buffers exported as dma-bufs (`VIDIOC_EXPBUF`) and imported as uvm-alloc buffers; drops are
+//!   counted from sequence gaps; a vanished device is an error, never a hang.
+//!
+//! Still to come with issue #7: the SIMD and WGSL ISP kernels, resize agreement with ffmpeg,
+//! `V4L2_MEMORY_DMABUF` import of uvm-alloc buffers.
 //!
 //! # Design
 //! - One object-safe frame-source trait; each frame carries its buffer, format, timestamp,
@@ -28,7 +32,13 @@
 //! - `v4l2`: V4L2 capture through the `v4l` crate. Its bindgen step needs libclang at build time
 //!   (Debian/Ubuntu: `libclang1-14`, plus `linux-libc-dev` for the headers).
 
-#![forbid(unsafe_code)]
+//! # Unsafe
+//! Denied everywhere except [`v4l2`] (feature `v4l2`): the streaming ioctls issued through the
+//! `v4l` crate's generated bindings (`REQBUFS`, `QUERYBUF`, `EXPBUF`, `QBUF`, `DQBUF`,
+//! `STREAMON/OFF`), each on a zero-initialised struct of the type its request code names, and
+//! taking ownership of the dma-buf fd `EXPBUF` returns.
+
+#![deny(unsafe_code)]
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
 #[cfg(doctest)]
@@ -38,6 +48,9 @@ struct ReadmeExample;
 mod format;
 pub mod isp;
 mod source;
+#[cfg(feature = "v4l2")]
+#[allow(unsafe_code)]
+pub mod v4l2;
 
 pub use format::{FrameDesc, PixelFormat, Plane};
 pub use source::{Frame, FrameSource, ImageSource, Pacing, PatternSource, Y4mSource, open_source};

@@ -533,7 +533,8 @@ impl FrameSource for ImageSource {
 /// Opens a source from a command-line spec:
 /// - `pattern:WIDTHxHEIGHT@FPS[:nv12|i420|yuyv]` (NV12 by default),
 /// - `file:PATH` for a `.y4m` file, a PNG/JPEG image or a folder of them (images at 1 frame/s),
-/// - `camera:/dev/videoN` (V4L2; not built yet, so this is an `Unsupported` error).
+/// - `camera:/dev/videoN[:WIDTHxHEIGHT[@FPS]]` (V4L2, 1920x1080@30 by default; needs feature
+///   `v4l2`, an `Unsupported` error without it).
 pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, Error> {
     let bad = |why: &str| Error::BadFrame {
         what: format!("source `{spec}`: {why}"),
@@ -583,8 +584,33 @@ pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, E
                 Ok(Box::new(ImageSource::open(path, 1.0, pacing)?))
             }
         }
+        #[cfg(feature = "v4l2")]
+        "camera" => {
+            let (path, mode) = match rest.split_once(':') {
+                Some((p, m)) => (p, Some(m)),
+                None => (rest, None),
+            };
+            let mut config = crate::v4l2::V4l2Config::default();
+            if let Some(mode) = mode {
+                let (size, fps) = mode.split_once('@').unwrap_or((mode, ""));
+                let (w, h) = size
+                    .split_once('x')
+                    .and_then(|(w, h)| Some((w.parse().ok()?, h.parse().ok()?)))
+                    .ok_or_else(|| bad("camera mode must be WIDTHxHEIGHT[@FPS]"))?;
+                (config.width, config.height) = (w, h);
+                if !fps.is_empty() {
+                    config.fps = Some(fps.parse().map_err(|_| bad("fps must be an integer"))?);
+                }
+            }
+            let _ = pacing; // a camera delivers in real time whatever the pacing asks
+            Ok(Box::new(crate::v4l2::V4l2Source::open(
+                Path::new(path),
+                &config,
+            )?))
+        }
+        #[cfg(not(feature = "v4l2"))]
         "camera" => Err(Error::Unsupported {
-            what: "V4L2 camera capture is not built yet (isp-v4l2 feature `v4l2`, issue #7); use pattern: or file:",
+            what: "V4L2 camera capture needs isp-v4l2's feature `v4l2` (build with --features isp-v4l2/v4l2); use pattern: or file:",
         }),
         other => Err(bad(&format!("unknown source kind {other}"))),
     }

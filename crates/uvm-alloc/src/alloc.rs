@@ -81,6 +81,10 @@ impl Allocator {
                 BackendKind::Gbm => gbm(size, mapped, self.desc.cache_line),
                 BackendKind::Memfd => memfd(&self.desc.name, size, mapped, self.desc.cache_line),
                 BackendKind::Host => host(size, mapped, self.desc.cache_line),
+                BackendKind::Imported => Err(unavailable(
+                    BackendKind::Imported,
+                    "imported buffers come from another driver; use UnifiedBuffer::import_dma_buf",
+                )),
             };
             match attempt {
                 Ok(buffer) => return Ok(buffer.with_refusals(refusals)),
@@ -149,6 +153,51 @@ fn unavailable(backend: BackendKind, why: impl Into<String>) -> Error {
     Error::Unavailable {
         backend,
         why: why.into(),
+    }
+}
+
+impl UnifiedBuffer {
+    /// Imports a dma-buf another driver exported (a V4L2 buffer through `VIDIOC_EXPBUF`, a GPU
+    /// allocation): maps its first `len` bytes shared, and takes the fd. CPU access then goes
+    /// through the same `DMA_BUF_IOCTL_SYNC` guard as every dma-buf. `exporter` names the source
+    /// in reports.
+    ///
+    /// # Errors
+    /// [`Error::Os`] when the fd cannot be mapped for that length (it is not a dma-buf, or it is
+    /// shorter); zero or overflowing lengths are [`Error::BadSize`]-style errors from
+    /// [`rounded_size`].
+    pub fn import_dma_buf(fd: OwnedFd, len: usize, exporter: &str) -> Result<UnifiedBuffer, Error> {
+        // A dma-buf answers DMA_BUF_IOCTL_SYNC; anything else (a file, a memfd) does not, and
+        // would fail later inside every CPU access guard: refuse it here, by name.
+        let read = u64::from(crate::sys::uapi::DMA_BUF_SYNC_READ);
+        ioctl::dma_buf_sync(
+            fd.as_fd(),
+            u64::from(crate::sys::uapi::DMA_BUF_SYNC_START) | read,
+        )
+        .and_then(|()| {
+            ioctl::dma_buf_sync(
+                fd.as_fd(),
+                u64::from(crate::sys::uapi::DMA_BUF_SYNC_END) | read,
+            )
+        })
+        .map_err(|errno| Error::Os {
+            call: "DMA_BUF_IOCTL_SYNC on an imported fd (is it a dma-buf?)",
+            errno,
+        })?;
+        let page = rustix::param::page_size();
+        let mapped = rounded_size(len, page)?;
+        let ptr = map_shared(&fd, mapped, "mmap(imported dma-buf)")?;
+        Ok(UnifiedBuffer::from_parts(
+            ptr,
+            mapped,
+            len,
+            page,
+            Some(fd),
+            true,
+            Backend::Imported {
+                exporter: exporter.to_owned(),
+            },
+        ))
     }
 }
 

@@ -22,6 +22,9 @@ pub enum Backend {
     Memfd,
     /// Anonymous host memory, page aligned.
     Host,
+    /// A dma-buf exported by another driver (a V4L2 capture buffer, a GPU allocation) and
+    /// imported with [`UnifiedBuffer::import_dma_buf`]; `exporter` says who made it.
+    Imported { exporter: String },
 }
 
 impl Backend {
@@ -33,6 +36,7 @@ impl Backend {
             Backend::Gbm { .. } => BackendKind::Gbm,
             Backend::Memfd => BackendKind::Memfd,
             Backend::Host => BackendKind::Host,
+            Backend::Imported { .. } => BackendKind::Imported,
         }
     }
 }
@@ -45,10 +49,12 @@ pub enum BackendKind {
     Gbm,
     Memfd,
     Host,
+    /// Not allocatable: buffers other drivers made (see [`Backend::Imported`]).
+    Imported,
 }
 
 impl BackendKind {
-    /// Every kind, best first: the allocator's default preference.
+    /// Every allocatable kind, best first: the allocator's default preference.
     pub const ALL: [BackendKind; 5] = [
         BackendKind::DmaHeap,
         BackendKind::Udmabuf,
@@ -66,6 +72,7 @@ impl std::fmt::Display for BackendKind {
             BackendKind::Gbm => "gbm",
             BackendKind::Memfd => "memfd",
             BackendKind::Host => "host",
+            BackendKind::Imported => "imported",
         })
     }
 }

@@ -203,3 +203,30 @@ fn udmabuf_buffers_sync_cpu_access() {
             .all(|&b| b == 0x5A)
     );
 }
+
+#[test]
+fn importing_an_fd_that_is_not_a_dma_buf_is_refused_by_name() {
+    let file = std::fs::File::open("/proc/self/exe").unwrap();
+    let err = uvm_alloc::UnifiedBuffer::import_dma_buf(file.into(), 4096, "test").unwrap_err();
+    assert!(err.to_string().contains("dma-buf"), "{err}");
+}
+
+#[test]
+#[ignore = "hardware: needs a DMA-BUF heap (/dev/dma_heap/system) to export a dma-buf to import"]
+fn a_dma_buf_from_a_heap_imports_and_reads_back_what_was_written() {
+    use std::os::fd::AsFd;
+    let original = uvm_alloc::UnifiedBuffer::dma_heap("system", 8192).unwrap();
+    {
+        let mut w = original
+            .cpu_access(0..8192, uvm_alloc::Access::Write)
+            .unwrap();
+        w.bytes_mut().unwrap().fill(0x5a);
+    }
+    let dup = original.fd().unwrap().as_fd().try_clone_to_owned().unwrap();
+    let imported = uvm_alloc::UnifiedBuffer::import_dma_buf(dup, 8192, "heap").unwrap();
+    assert_eq!(imported.backend().kind(), uvm_alloc::BackendKind::Imported);
+    let r = imported
+        .cpu_access(0..8192, uvm_alloc::Access::Read)
+        .unwrap();
+    assert!(r.bytes().iter().all(|&b| b == 0x5a));
+}
