@@ -18,7 +18,10 @@
 //!   buffers exported as dma-bufs (`VIDIOC_EXPBUF`) and imported as uvm-alloc buffers; drops are
 //!   counted from sequence gaps; a vanished device is an error, never a hang.
 //!
-//! Still to come with issue #7: the SIMD and WGSL ISP kernels, resize agreement with ffmpeg,
+//! - [`gpu`]: the same fused pass as a WGSL compute shader with its uniform block; the crate has
+//!   no GPU dependency, callers bind the frame's unified buffer as-is.
+//!
+//! Still to come with issue #7: explicit SIMD, f16 output on the GPU, resize agreement with ffmpeg,
 //! `V4L2_MEMORY_DMABUF` import of uvm-alloc buffers.
 //!
 //! # Design
@@ -46,6 +49,7 @@
 struct ReadmeExample;
 
 mod format;
+pub mod gpu;
 pub mod isp;
 mod source;
 #[cfg(feature = "v4l2")]
