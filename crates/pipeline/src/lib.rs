@@ -23,3 +23,4 @@ pub mod decoder;
 pub mod llm;
 pub mod model;
 pub mod mxcache;
+pub mod vision;

@@ -797,7 +797,7 @@ pub fn open_model(path: &Path) -> Result<LoadedModel, LoadError> {
 /// # Errors
 /// [`LoadError::Io`] when the file cannot be opened or mapped.
 #[allow(unsafe_code)]
-fn map_file(path: &Path) -> Result<memmap2::Mmap, LoadError> {
+pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap, LoadError> {
     let io = |source| LoadError::Io {
         path: path.to_owned(),
         source,

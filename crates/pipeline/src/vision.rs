@@ -1,0 +1,488 @@
+//! The SigLIP vision tower and the Idefics3/SmolVLM connector, as SmolVLM uses them: the CPU
+//! reference the GPU (WGSL) encoder is held to, and the fallback where no GPU exists.
+//!
+//! - Patch embedding: the stride-`p` convolution as a GEMM over flattened `3 x p x p` patches.
+//! - Learned position embeddings (one per patch of the native `image_size` grid).
+//! - `layers x` [LayerNorm, multi-head attention with biases, residual, LayerNorm, MLP with
+//!   tanh-GELU, residual], then the post-LayerNorm.
+//! - Connector: pixel shuffle by `scale_factor` (each `f x f` block of patches becomes one token of
+//!   `f^2` times the width, in transformers' element order), then a bias-free linear projection to
+//!   the text model's width.
+//!
+//! Weights come from Hugging Face safetensors under SmolVLM's names (`model.vision_model.*`,
+//! `model.connector.*`), f32/f16/bf16, every shape checked against `config.json` before use.
+//! Sizes other than the native image size (position-embedding interpolation) are not supported
+//! yet and are refused by name.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use npu_hal::DenseMatrix;
+
+use crate::model::LoadError;
+
+/// Why the vision encoder could not be loaded or run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VisionError {
+    /// A file or one of its tensors is unusable; `what` says how.
+    #[error("{path}: {what}")]
+    File {
+        path: std::path::PathBuf,
+        what: String,
+    },
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The input image does not fit the tower.
+    #[error("{0}")]
+    Input(String),
+}
+
+fn file_error(path: &Path, what: impl std::fmt::Display) -> VisionError {
+    VisionError::File {
+        path: path.to_path_buf(),
+        what: what.to_string(),
+    }
+}
+
+/// The tower's and connector's shape, from `config.json` (`vision_config`, `scale_factor`,
+/// `text_config.hidden_size`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct VisionConfig {
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub layer_norm_eps: f32,
+    pub scale_factor: usize,
+    pub text_hidden: usize,
+}
+
+impl VisionConfig {
+    /// Patches per side of the native image.
+    pub fn patches_per_side(&self) -> usize {
+        self.image_size / self.patch_size
+    }
+
+    /// Tokens the connector produces per image.
+    pub fn image_tokens(&self) -> usize {
+        self.patches_per_side().pow(2) / (self.scale_factor * self.scale_factor)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), VisionError> {
+        let bad = |what: &str| file_error(path, format!("vision config: {what}"));
+        if [
+            self.image_size,
+            self.patch_size,
+            self.hidden,
+            self.intermediate,
+            self.layers,
+            self.heads,
+            self.scale_factor,
+            self.text_hidden,
+        ]
+        .contains(&0)
+        {
+            return Err(bad("every size must be at least 1"));
+        }
+        if !self.image_size.is_multiple_of(self.patch_size) {
+            return Err(bad("image_size must be a multiple of patch_size"));
+        }
+        if !self.hidden.is_multiple_of(self.heads) {
+            return Err(bad("hidden_size must be a multiple of num_attention_heads"));
+        }
+        if !self.patches_per_side().is_multiple_of(self.scale_factor) {
+            return Err(bad("patches per side must be a multiple of scale_factor"));
+        }
+        if self.image_size > 8192 || self.hidden > 65536 || self.layers > 1024 {
+            return Err(bad("sizes past any real SigLIP tower"));
+        }
+        Ok(())
+    }
+}
+
+struct Layer {
+    ln1: (Vec<f32>, Vec<f32>),
+    q: (DenseMatrix, Vec<f32>),
+    k: (DenseMatrix, Vec<f32>),
+    v: (DenseMatrix, Vec<f32>),
+    o: (DenseMatrix, Vec<f32>),
+    ln2: (Vec<f32>, Vec<f32>),
+    fc1: (DenseMatrix, Vec<f32>),
+    fc2: (DenseMatrix, Vec<f32>),
+}
+
+/// The vision tower and connector with their weights, on the CPU.
+pub struct VisionEncoder {
+    config: VisionConfig,
+    patch: (DenseMatrix, Vec<f32>),
+    positions: Vec<f32>,
+    layers: Vec<Layer>,
+    post_ln: (Vec<f32>, Vec<f32>),
+    projection: DenseMatrix,
+}
+
+impl std::fmt::Debug for VisionEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VisionEncoder")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct HfVision {
+    image_size: usize,
+    patch_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    #[serde(default = "default_eps")]
+    layer_norm_eps: f32,
+    #[serde(default)]
+    hidden_act: Option<String>,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+
+#[derive(serde::Deserialize)]
+struct HfText {
+    hidden_size: usize,
+}
+
+#[derive(serde::Deserialize)]
+struct HfVlm {
+    vision_config: HfVision,
+    text_config: HfText,
+    #[serde(default = "default_scale")]
+    scale_factor: usize,
+}
+
+fn default_scale() -> usize {
+    2
+}
+
+impl VisionEncoder {
+    /// Loads `dir/config.json` and `dir/*.safetensors` (SmolVLM naming).
+    pub fn open(dir: &Path) -> Result<VisionEncoder, VisionError> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|e| file_error(&config_path, format!("read: {e}")))?;
+        let hf: HfVlm = serde_json::from_str(&text).map_err(|e| {
+            file_error(
+                &config_path,
+                format!("not a SmolVLM config (vision_config, text_config): {e}"),
+            )
+        })?;
+        if let Some(act) = hf.vision_config.hidden_act.as_deref()
+            && act != "gelu_pytorch_tanh"
+        {
+            return Err(file_error(
+                &config_path,
+                format!("vision hidden_act {act}: gelu_pytorch_tanh only"),
+            ));
+        }
+        let config = VisionConfig {
+            image_size: hf.vision_config.image_size,
+            patch_size: hf.vision_config.patch_size,
+            hidden: hf.vision_config.hidden_size,
+            intermediate: hf.vision_config.intermediate_size,
+            layers: hf.vision_config.num_hidden_layers,
+            heads: hf.vision_config.num_attention_heads,
+            layer_norm_eps: hf.vision_config.layer_norm_eps,
+            scale_factor: hf.scale_factor,
+            text_hidden: hf.text_config.hidden_size,
+        };
+        config.validate(&config_path)?;
+        let tensors = Tensors::open(dir)?;
+        let c = &config;
+        let h = c.hidden;
+        let pp = 3 * c.patch_size * c.patch_size;
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<DenseMatrix, VisionError> {
+            let data = tensors.get(name, rows * cols)?;
+            Ok(DenseMatrix::new(rows, cols, data).expect("sized rows * cols"))
+        };
+        let vec = |name: &str, len: usize| tensors.get(name, len);
+        let v = "model.vision_model";
+        let mut layers = Vec::with_capacity(c.layers);
+        for i in 0..c.layers {
+            let l = format!("{v}.encoder.layers.{i}");
+            let lin = |n: &str, rows, cols| -> Result<(DenseMatrix, Vec<f32>), VisionError> {
+                Ok((
+                    mat(&format!("{l}.{n}.weight"), rows, cols)?,
+                    vec(&format!("{l}.{n}.bias"), rows)?,
+                ))
+            };
+            let ln = |n: &str| -> Result<(Vec<f32>, Vec<f32>), VisionError> {
+                Ok((
+                    vec(&format!("{l}.{n}.weight"), h)?,
+                    vec(&format!("{l}.{n}.bias"), h)?,
+                ))
+            };
+            layers.push(Layer {
+                ln1: ln("layer_norm1")?,
+                q: lin("self_attn.q_proj", h, h)?,
+                k: lin("self_attn.k_proj", h, h)?,
+                v: lin("self_attn.v_proj", h, h)?,
+                o: lin("self_attn.out_proj", h, h)?,
+                ln2: ln("layer_norm2")?,
+                fc1: lin("mlp.fc1", c.intermediate, h)?,
+                fc2: lin("mlp.fc2", h, c.intermediate)?,
+            });
+        }
+        let f2 = c.scale_factor * c.scale_factor;
+        Ok(VisionEncoder {
+            patch: (
+                mat(&format!("{v}.embeddings.patch_embedding.weight"), h, pp)?,
+                vec(&format!("{v}.embeddings.patch_embedding.bias"), h)?,
+            ),
+            positions: vec(
+                &format!("{v}.embeddings.position_embedding.weight"),
+                c.patches_per_side().pow(2) * h,
+            )?,
+            layers,
+            post_ln: (
+                vec(&format!("{v}.post_layernorm.weight"), h)?,
+                vec(&format!("{v}.post_layernorm.bias"), h)?,
+            ),
+            projection: mat(
+                "model.connector.modality_projection.proj.weight",
+                c.text_hidden,
+                h * f2,
+            )?,
+            config,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &VisionConfig {
+        &self.config
+    }
+
+    /// The tower's last hidden state (after the post-LayerNorm), `patches x hidden`, for one
+    /// normalised image `3 x image_size x image_size` (CHW, as the ISP writes it).
+    pub fn vision(&self, pixels: &[f32]) -> Result<Vec<f32>, VisionError> {
+        let c = &self.config;
+        let (s, p, h) = (c.image_size, c.patch_size, c.hidden);
+        if pixels.len() != 3 * s * s {
+            return Err(VisionError::Input(format!(
+                "the image must be 3x{s}x{s} = {} values (other sizes need position interpolation, not built yet), got {}",
+                3 * s * s,
+                pixels.len()
+            )));
+        }
+        let side = c.patches_per_side();
+        let n = side * side;
+        // Patches flattened as the conv weight is: [channel][ky][kx].
+        let mut patches = vec![0f32; n * 3 * p * p];
+        for (t, patch) in patches.chunks_exact_mut(3 * p * p).enumerate() {
+            let (py, px) = (t / side, t % side);
+            for ch in 0..3 {
+                for ky in 0..p {
+                    let src = ch * s * s + (py * p + ky) * s + px * p;
+                    patch[(ch * p + ky) * p..(ch * p + ky + 1) * p]
+                        .copy_from_slice(&pixels[src..src + p]);
+                }
+            }
+        }
+        let mut x = linear(&self.patch, &patches, n);
+        for (xi, pos) in x.iter_mut().zip(&self.positions) {
+            *xi += pos;
+        }
+        let heads = c.heads;
+        let hd = h / heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut normed = vec![0f32; n * h];
+        for l in &self.layers {
+            layer_norm(&x, &l.ln1, c.layer_norm_eps, h, &mut normed);
+            let (q, k, v) = (
+                linear(&l.q, &normed, n),
+                linear(&l.k, &normed, n),
+                linear(&l.v, &normed, n),
+            );
+            let mut attn = vec![0f32; n * h];
+            let mut scores = vec![0f32; n];
+            for head in 0..heads {
+                for i in 0..n {
+                    let qi = &q[i * h + head * hd..i * h + (head + 1) * hd];
+                    for (j, s) in scores.iter_mut().enumerate() {
+                        *s = npu_hal::kernels::dot(
+                            qi,
+                            &k[j * h + head * hd..j * h + (head + 1) * hd],
+                        ) * scale;
+                    }
+                    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    let mut sum = 0.0;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    let out = &mut attn[i * h + head * hd..i * h + (head + 1) * hd];
+                    for (j, &w) in scores.iter().enumerate() {
+                        let w = w / sum;
+                        for (o, &vv) in out
+                            .iter_mut()
+                            .zip(&v[j * h + head * hd..j * h + (head + 1) * hd])
+                        {
+                            *o += w * vv;
+                        }
+                    }
+                }
+            }
+            let o = linear(&l.o, &attn, n);
+            add(&mut x, &o);
+            layer_norm(&x, &l.ln2, c.layer_norm_eps, h, &mut normed);
+            let mut mid = linear(&l.fc1, &normed, n);
+            for m in &mut mid {
+                *m = gelu_tanh(*m);
+            }
+            let down = linear(&l.fc2, &mid, n);
+            add(&mut x, &down);
+        }
+        let mut out = vec![0f32; n * h];
+        layer_norm(&x, &self.post_ln, c.layer_norm_eps, h, &mut out);
+        Ok(out)
+    }
+
+    /// The connector: pixel shuffle then projection, `image_tokens x text_hidden`.
+    pub fn connect(&self, vision: &[f32]) -> Vec<f32> {
+        let c = &self.config;
+        let (side, d, f) = (c.patches_per_side(), c.hidden, c.scale_factor);
+        let out_side = side / f;
+        let width = d * f * f;
+        let mut shuffled = vec![0f32; out_side * out_side * width];
+        for hp in 0..out_side {
+            for wp in 0..out_side {
+                let row =
+                    &mut shuffled[(hp * out_side + wp) * width..(hp * out_side + wp + 1) * width];
+                for (k, dst) in row.iter_mut().enumerate() {
+                    let h = hp * f + k / (d * f);
+                    let j = k % (d * f);
+                    let w = wp * f + j / d;
+                    *dst = vision[(h * side + w) * d + j % d];
+                }
+            }
+        }
+        let tokens = out_side * out_side;
+        let mut out = vec![0f32; tokens * c.text_hidden];
+        let mut ys: Vec<&mut [f32]> = out.chunks_mut(c.text_hidden).collect();
+        self.projection
+            .gemm_rows(&shuffled, 0..c.text_hidden, &mut ys);
+        out
+    }
+
+    /// Image pixels to the text model's embedding space: [`VisionEncoder::vision`] then
+    /// [`VisionEncoder::connect`].
+    pub fn encode(&self, pixels: &[f32]) -> Result<Vec<f32>, VisionError> {
+        Ok(self.connect(&self.vision(pixels)?))
+    }
+}
+
+fn linear((w, b): &(DenseMatrix, Vec<f32>), x: &[f32], tokens: usize) -> Vec<f32> {
+    let rows = b.len();
+    let mut out = vec![0f32; tokens * rows];
+    {
+        let mut ys: Vec<&mut [f32]> = out.chunks_mut(rows).collect();
+        w.gemm_rows(x, 0..rows, &mut ys);
+    }
+    for row in out.chunks_exact_mut(rows) {
+        add(row, b);
+    }
+    out
+}
+
+fn add(acc: &mut [f32], x: &[f32]) {
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+fn layer_norm(x: &[f32], (w, b): &(Vec<f32>, Vec<f32>), eps: f32, width: usize, out: &mut [f32]) {
+    for (src, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let mean = src.iter().map(|&v| f64::from(v)).sum::<f64>() / width as f64;
+        let var = src
+            .iter()
+            .map(|&v| (f64::from(v) - mean).powi(2))
+            .sum::<f64>()
+            / width as f64;
+        let inv = 1.0 / (var + f64::from(eps)).sqrt();
+        for i in 0..width {
+            dst[i] = ((f64::from(src[i]) - mean) * inv) as f32 * w[i] + b[i];
+        }
+    }
+}
+
+/// `gelu_pytorch_tanh`: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// The safetensors files of a directory, mapped, with every tensor read as f32 on request.
+struct Tensors {
+    maps: Vec<(std::path::PathBuf, memmap2::Mmap)>,
+    index: HashMap<String, usize>,
+}
+
+impl Tensors {
+    fn open(dir: &Path) -> Result<Tensors, VisionError> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|e| file_error(dir, format!("list: {e}")))?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        let mut maps = Vec::new();
+        let mut index = HashMap::new();
+        for path in files {
+            let map = crate::model::map_file(&path)?;
+            let st = safetensors::SafeTensors::deserialize(&map[..])
+                .map_err(|e| file_error(&path, format!("not valid safetensors: {e}")))?;
+            for name in st.names() {
+                index.insert(name.to_string(), maps.len());
+            }
+            maps.push((path, map));
+        }
+        Ok(Tensors { maps, index })
+    }
+
+    /// Tensor `name` as `len` f32 values; its element count must be `len`.
+    fn get(&self, name: &str, len: usize) -> Result<Vec<f32>, VisionError> {
+        let missing = || {
+            VisionError::Load(LoadError::TensorMissing {
+                tensor: name.to_string(),
+            })
+        };
+        let &i = self.index.get(name).ok_or_else(missing)?;
+        let (path, map) = &self.maps[i];
+        let bad = |what: String| file_error(path, format!("{name}: {what}"));
+        let st = safetensors::SafeTensors::deserialize(&map[..]).map_err(|e| bad(e.to_string()))?;
+        let t = st.tensor(name).map_err(|e| bad(e.to_string()))?;
+        let count: usize = t.shape().iter().product();
+        if count != len {
+            return Err(bad(format!("has {count} elements, the config needs {len}")));
+        }
+        let data = t.data();
+        Ok(match t.dtype() {
+            safetensors::Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            safetensors::Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            safetensors::Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => return Err(bad(format!("dtype {other:?}; f32, f16 or bf16 only"))),
+        })
+    }
+}
