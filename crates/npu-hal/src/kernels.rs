@@ -310,6 +310,11 @@ impl DenseMatrix {
         (self.rows, self.cols)
     }
 
+    /// The values, row-major.
+    pub fn data(&self) -> &[f32] {
+        &self.data
+    }
+
     /// Row `r`.
     pub fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]

@@ -24,3 +24,4 @@ pub mod llm;
 pub mod model;
 pub mod mxcache;
 pub mod vision;
+pub mod vision_gpu;

@@ -103,25 +103,25 @@ impl VisionConfig {
     }
 }
 
-struct Layer {
-    ln1: (Vec<f32>, Vec<f32>),
-    q: (DenseMatrix, Vec<f32>),
-    k: (DenseMatrix, Vec<f32>),
-    v: (DenseMatrix, Vec<f32>),
-    o: (DenseMatrix, Vec<f32>),
-    ln2: (Vec<f32>, Vec<f32>),
-    fc1: (DenseMatrix, Vec<f32>),
-    fc2: (DenseMatrix, Vec<f32>),
+pub(crate) struct Layer {
+    pub(crate) ln1: (Vec<f32>, Vec<f32>),
+    pub(crate) q: (DenseMatrix, Vec<f32>),
+    pub(crate) k: (DenseMatrix, Vec<f32>),
+    pub(crate) v: (DenseMatrix, Vec<f32>),
+    pub(crate) o: (DenseMatrix, Vec<f32>),
+    pub(crate) ln2: (Vec<f32>, Vec<f32>),
+    pub(crate) fc1: (DenseMatrix, Vec<f32>),
+    pub(crate) fc2: (DenseMatrix, Vec<f32>),
 }
 
 /// The vision tower and connector with their weights, on the CPU.
 pub struct VisionEncoder {
-    config: VisionConfig,
-    patch: (DenseMatrix, Vec<f32>),
-    positions: Vec<f32>,
-    layers: Vec<Layer>,
-    post_ln: (Vec<f32>, Vec<f32>),
-    projection: DenseMatrix,
+    pub(crate) config: VisionConfig,
+    pub(crate) patch: (DenseMatrix, Vec<f32>),
+    pub(crate) positions: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) post_ln: (Vec<f32>, Vec<f32>),
+    pub(crate) projection: DenseMatrix,
 }
 
 impl std::fmt::Debug for VisionEncoder {

@@ -1,0 +1,395 @@
+//! The SigLIP tower and SmolVLM connector on a GPU through wgpu (WGSL kernels in
+//! `shaders/vit.wgsl`): one command encoder per image, no CPU round trip between layers.
+//!
+//! The weights are uploaded once; every dispatch's bind group and parameters are built at load
+//! time, so [`GpuVisionEncoder::record`] only records dispatches. The image comes in as a
+//! storage buffer (the ISP's output, imported from its unified buffer as-is where memory is
+//! unified) and the connector's output goes to another storage buffer the caller provides.
+//!
+//! This first version is the plain f32 path (16x16-tiled GEMM, row-per-workgroup LayerNorm,
+//! online-softmax attention with one invocation per query and head); f16, MX weights and the
+//! cooperative-matrix path come with issue #8's performance work.
+
+use wgpu::util::DeviceExt;
+
+use crate::vision::{VisionConfig, VisionEncoder};
+
+const SHADER: &str = include_str!("shaders/vit.wgsl");
+
+/// Why the GPU encoder could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuVisionError {
+    #[error("the GPU encoder supports head_dim <= 128, this tower has {0}")]
+    HeadDim(usize),
+    #[error("{what} is {bytes} bytes, past the device's storage-binding limit of {limit}")]
+    TooLarge {
+        what: &'static str,
+        bytes: u64,
+        limit: u64,
+    },
+}
+
+struct Dispatch {
+    pipeline: usize,
+    bind: wgpu::BindGroup,
+    groups: (u32, u32, u32),
+}
+
+/// The tower and connector on one wgpu device.
+pub struct GpuVisionEncoder {
+    config: VisionConfig,
+    pipelines: Vec<wgpu::ComputePipeline>,
+    /// Dispatches that do not depend on the input and output buffers.
+    body: Vec<Dispatch>,
+    /// Buffers the input-dependent dispatches bind.
+    patches: wgpu::Buffer,
+    vision_out: wgpu::Buffer,
+    shuffled: wgpu::Buffer,
+    projection: wgpu::Buffer,
+    im2col_params: wgpu::Buffer,
+    projection_params: wgpu::Buffer,
+    shuffle_bind: wgpu::BindGroup,
+    dummy_bias: wgpu::Buffer,
+}
+
+impl std::fmt::Debug for GpuVisionEncoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuVisionEncoder")
+            .field("config", &self.config)
+            .field("dispatches", &(self.body.len() + 3))
+            .finish_non_exhaustive()
+    }
+}
+
+const LINEAR: usize = 0;
+const LAYER_NORM: usize = 1;
+const ATTENTION: usize = 2;
+const IM2COL: usize = 3;
+const ADD: usize = 4;
+const SHUFFLE: usize = 5;
+
+fn groups_1d(len: u32) -> (u32, u32, u32) {
+    let g = len.div_ceil(64);
+    if g <= 65535 {
+        (g, 1, 1)
+    } else {
+        (65535, g.div_ceil(65535), 1)
+    }
+}
+
+impl GpuVisionEncoder {
+    /// Uploads `cpu`'s weights to `device` and prepares every dispatch.
+    pub fn new(
+        device: &wgpu::Device,
+        cpu: &VisionEncoder,
+    ) -> Result<GpuVisionEncoder, GpuVisionError> {
+        let c = cpu.config.clone();
+        let h = c.hidden;
+        let hd = h / c.heads;
+        if hd > 128 {
+            return Err(GpuVisionError::HeadDim(hd));
+        }
+        let limit = device.limits().max_storage_buffer_binding_size;
+        let side = c.patches_per_side();
+        let n = side * side;
+        let check = |what: &'static str, elems: usize| {
+            let bytes = elems as u64 * 4;
+            if bytes > limit {
+                Err(GpuVisionError::TooLarge { what, bytes, limit })
+            } else {
+                Ok(())
+            }
+        };
+        check(
+            "an activation buffer",
+            n * c.intermediate.max(3 * c.patch_size * c.patch_size),
+        )?;
+        check("the connector input", n * h)?;
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("vit"),
+            source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+        });
+        let pipelines: Vec<wgpu::ComputePipeline> = [
+            "linear",
+            "layer_norm",
+            "attention",
+            "im2col",
+            "add",
+            "pixel_shuffle",
+        ]
+        .iter()
+        .map(|entry| {
+            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+        })
+        .collect();
+        let upload = |label: &str, data: &[f32]| {
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+        };
+        let scratch = |label: &str, elems: usize| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: (elems.max(1) * 4) as u64,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            })
+        };
+        let uniform = |data: &[u32]| {
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::UNIFORM,
+            })
+        };
+        let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
+            let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: b.as_entire_binding(),
+                })
+                .collect();
+            device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &pipelines[pipeline].get_bind_group_layout(0),
+                entries: &entries,
+            })
+        };
+        let dummy_bias = upload("no bias", &[0.0]);
+        let pp = 3 * c.patch_size * c.patch_size;
+        let patches = scratch("patches", n * pp);
+        let x = scratch("x", n * h);
+        let xn = scratch("x normed", n * h);
+        let (q, k, v, a) = (
+            scratch("q", n * h),
+            scratch("k", n * h),
+            scratch("v", n * h),
+            scratch("attention", n * h),
+        );
+        let mid = scratch("mlp", n * c.intermediate);
+        let vision_out = scratch("vision out", n * h);
+        let f2 = c.scale_factor * c.scale_factor;
+        let tokens = c.image_tokens();
+        let shuffled = scratch("shuffled", tokens * h * f2);
+        let mut body = Vec::new();
+        // Patch projection and positions (the im2col that feeds it is recorded per image).
+        let linear = |body: &mut Vec<Dispatch>,
+                      x: &wgpu::Buffer,
+                      w: &wgpu::Buffer,
+                      b: Option<&wgpu::Buffer>,
+                      y: &wgpu::Buffer,
+                      (m, nn, kk): (usize, usize, usize),
+                      flags: u32| {
+            let flags = flags | u32::from(b.is_some());
+            let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
+            body.push(Dispatch {
+                pipeline: LINEAR,
+                bind: bind(LINEAR, &[x, w, b.unwrap_or(&dummy_bias), y, &params]),
+                groups: ((nn as u32).div_ceil(16), (m as u32).div_ceil(16), 1),
+            });
+        };
+        let w_patch = upload("patch w", cpu.patch.0.data());
+        let b_patch = upload("patch b", &cpu.patch.1);
+        linear(
+            &mut body,
+            &patches,
+            &w_patch,
+            Some(&b_patch),
+            &x,
+            (n, h, pp),
+            0,
+        );
+        let positions = upload("positions", &cpu.positions);
+        let add_params = uniform(&[(n * h) as u32, 0, 0, 0]);
+        body.push(Dispatch {
+            pipeline: ADD,
+            bind: bind(ADD, &[&positions, &x, &add_params]),
+            groups: groups_1d((n * h) as u32),
+        });
+        let eps = c.layer_norm_eps.to_bits();
+        let norm = |body: &mut Vec<Dispatch>,
+                    src: &wgpu::Buffer,
+                    (w, b): (&wgpu::Buffer, &wgpu::Buffer),
+                    dst: &wgpu::Buffer| {
+            let params = uniform(&[n as u32, h as u32, eps, 0]);
+            body.push(Dispatch {
+                pipeline: LAYER_NORM,
+                bind: bind(LAYER_NORM, &[src, w, b, dst, &params]),
+                groups: (n as u32, 1, 1),
+            });
+        };
+        let attn_params = uniform(&[
+            n as u32,
+            c.heads as u32,
+            hd as u32,
+            h as u32,
+            (1.0 / (hd as f32).sqrt()).to_bits(),
+            0,
+            0,
+            0,
+        ]);
+        for (i, l) in cpu.layers.iter().enumerate() {
+            let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
+            let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
+            let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
+            let lin = |name: &str, (w, b): &(npu_hal::DenseMatrix, Vec<f32>)| {
+                (up(name, w.data()), up(name, b))
+            };
+            let (qw, qb) = lin("q", &l.q);
+            let (kw, kb) = lin("k", &l.k);
+            let (vw, vb) = lin("v", &l.v);
+            let (ow, ob) = lin("o", &l.o);
+            let (f1w, f1b) = lin("fc1", &l.fc1);
+            let (f2w, f2b) = lin("fc2", &l.fc2);
+            norm(&mut body, &x, (&ln1w, &ln1b), &xn);
+            linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
+            linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), 0);
+            linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), 0);
+            body.push(Dispatch {
+                pipeline: ATTENTION,
+                bind: bind(ATTENTION, &[&q, &k, &v, &a, &attn_params]),
+                groups: ((n as u32).div_ceil(64), c.heads as u32, 1),
+            });
+            linear(&mut body, &a, &ow, Some(&ob), &x, (n, h, h), 4);
+            norm(&mut body, &x, (&ln2w, &ln2b), &xn);
+            linear(
+                &mut body,
+                &xn,
+                &f1w,
+                Some(&f1b),
+                &mid,
+                (n, c.intermediate, h),
+                2,
+            );
+            linear(
+                &mut body,
+                &mid,
+                &f2w,
+                Some(&f2b),
+                &x,
+                (n, h, c.intermediate),
+                4,
+            );
+        }
+        let (pw, pb) = (
+            upload("post ln w", &cpu.post_ln.0),
+            upload("post ln b", &cpu.post_ln.1),
+        );
+        norm(&mut body, &x, (&pw, &pb), &vision_out);
+        let shuffle_params = uniform(&[side as u32, h as u32, c.scale_factor as u32, 0]);
+        let shuffle_bind = bind(SHUFFLE, &[&vision_out, &shuffled, &shuffle_params]);
+        let projection = upload("projection", cpu.projection.data());
+        let projection_params = uniform(&[tokens as u32, c.text_hidden as u32, (h * f2) as u32, 0]);
+        let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);
+        Ok(GpuVisionEncoder {
+            config: c,
+            pipelines,
+            body,
+            patches,
+            vision_out,
+            shuffled,
+            projection,
+            im2col_params,
+            projection_params,
+            shuffle_bind,
+            dummy_bias,
+        })
+    }
+
+    /// The shape.
+    pub fn config(&self) -> &VisionConfig {
+        &self.config
+    }
+
+    /// Bytes the output buffer needs: `image_tokens x text_hidden` f32.
+    pub fn output_bytes(&self) -> u64 {
+        (self.config.image_tokens() * self.config.text_hidden * 4) as u64
+    }
+
+    /// The tower's last hidden state buffer (`patches x hidden` f32), valid after a recorded
+    /// encode has run; for callers (and tests) that want the vision features themselves.
+    pub fn vision_output(&self) -> &wgpu::Buffer {
+        &self.vision_out
+    }
+
+    /// Records one image's encode into `encoder`: `pixels` holds `3 x image_size x image_size`
+    /// f32 (CHW, normalised, as the ISP writes it), `out` receives the connector's output.
+    pub fn record(
+        &self,
+        device: &wgpu::Device,
+        encoder: &mut wgpu::CommandEncoder,
+        pixels: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+    ) {
+        let c = &self.config;
+        let side = c.patches_per_side();
+        let n = side * side;
+        let pp = 3 * c.patch_size * c.patch_size;
+        let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
+            let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: b.as_entire_binding(),
+                })
+                .collect();
+            device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &self.pipelines[pipeline].get_bind_group_layout(0),
+                entries: &entries,
+            })
+        };
+        let im2col = bind(IM2COL, &[pixels, &self.patches, &self.im2col_params]);
+        let project = bind(
+            LINEAR,
+            &[
+                &self.shuffled,
+                &self.projection,
+                &self.dummy_bias,
+                out,
+                &self.projection_params,
+            ],
+        );
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("vision encoder"),
+            timestamp_writes: None,
+        });
+        let mut run = |pipeline: usize, bind: &wgpu::BindGroup, (x, y, z): (u32, u32, u32)| {
+            pass.set_pipeline(&self.pipelines[pipeline]);
+            pass.set_bind_group(0, bind, &[]);
+            pass.dispatch_workgroups(x, y, z);
+        };
+        run(IM2COL, &im2col, groups_1d((n * pp) as u32));
+        for d in &self.body {
+            run(d.pipeline, &d.bind, d.groups);
+        }
+        let f2 = c.scale_factor * c.scale_factor;
+        run(
+            SHUFFLE,
+            &self.shuffle_bind,
+            groups_1d((c.image_tokens() * c.hidden * f2) as u32),
+        );
+        run(
+            LINEAR,
+            &project,
+            (
+                (c.text_hidden as u32).div_ceil(16),
+                (c.image_tokens() as u32).div_ceil(16),
+                1,
+            ),
+        );
+    }
+}
