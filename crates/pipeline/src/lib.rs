@@ -1,12 +1,18 @@
 //! The reference composition: a frame source, the ISP, the GPU vision encoder and connector, and
 //! the NPU decoder, held as trait objects and overlapped on timelines.
 //!
-//! Its stages arrive with issues #6, #8 and #9. The library so far exports [`model`]: the
-//! model-file loaders (GGUF and Hugging Face safetensors, mmapped and validated as untrusted
-//! input), the [`model::TensorSource`] trait the decoder reads weights through, and the tokenizer
-//! with its chat templates. The `pipeline` binary has its first subcommand, `isp` (one frame of
-//! any source through the ISP, written as 8-bit RGB); its tests also prove that CI drives a real
-//! Vulkan driver.
+//! What is here:
+//! - [`model`]: GGUF and Hugging Face safetensors loaders (mmapped, validated as untrusted
+//!   input) behind [`model::TensorSource`], and the tokenizer with its chat templates.
+//! - [`decoder`]: the LLaMA-family decoder over npu-hal with per-class weight policies;
+//!   [`mxcache`] saves converted weights; [`llm`] holds generation, llama.cpp-method perplexity
+//!   and llama-bench-style measurement.
+//! - [`vision`] (CPU) and [`vision_gpu`] (WGSL through wgpu): the SigLIP tower and the SmolVLM
+//!   connector.
+//! - The `pipeline` binary: `isp`, `generate`, `perplexity`, `bench`, `encode`, `devices`.
+//!
+//! Still to come (issue #9): the stage traits, the composed `run` with its timelines, stats and
+//! traces.
 //!
 //! # Design
 //! - Stages run ahead on their own workers, connected by rings of unified buffers; handoffs are
@@ -14,8 +20,8 @@
 //! - Every unavoidable copy goes through uvm-alloc's ledger and shows in the run's report.
 //!
 //! # Unsafe
-//! Denied at the root; the one exception is the `mmap` of a model file in [`model`], whose
-//! `SAFETY` note states the limitation it accepts.
+//! Denied at the root; the exceptions are the `mmap` of a model file in [`model`] and of the
+//! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept.
 
 #![deny(unsafe_code)]
 

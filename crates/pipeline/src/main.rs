@@ -3,9 +3,10 @@
 //! - `generate`: stream a completion from a GGUF or safetensors LLaMA-family model;
 //! - `perplexity`: llama.cpp's perplexity method over a text file;
 //! - `bench`: llama-bench's pp/tg tests, JSON out;
+//! - `encode`: the SigLIP tower and SmolVLM connector alone (GPU or CPU), .npy out;
 //! - `devices`: the execution devices this machine has, including accel nodes without a backend.
 //!
-//! `run` and `encode` arrive with their issues (#8, #9).
+//! `run` arrives with issue #9.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -35,6 +36,18 @@ enum MatrixArg {
 enum RangeArg {
     Limited,
     Full,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum StageArg {
+    Vision,
+    Connector,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum BackendArg {
+    Gpu,
+    Cpu,
 }
 
 #[derive(Subcommand, Debug)]
@@ -113,6 +126,27 @@ enum Cmd {
         /// Repetitions after one warm-up run.
         #[arg(long, default_value_t = 5)]
         reps: usize,
+    },
+    /// Run the vision encoder alone and write its output as .npy (image embeddings).
+    Encode {
+        /// A SmolVLM checkpoint directory (config.json + *.safetensors).
+        #[arg(long)]
+        vlm: PathBuf,
+        /// An image file (PNG/JPEG), resized and normalised by the ISP.
+        #[arg(long, conflicts_with = "pixels", required_unless_present = "pixels")]
+        image: Option<PathBuf>,
+        /// Pixel values already normalised, f32 .npy of 3 x S x S (or 1 x 3 x S x S).
+        #[arg(long)]
+        pixels: Option<PathBuf>,
+        /// Which output: the vision tower's last hidden state, or the connector's.
+        #[arg(long, value_enum, default_value = "connector")]
+        stage: StageArg,
+        /// Where the encoder runs.
+        #[arg(long, value_enum, default_value = "gpu")]
+        backend: BackendArg,
+        /// Output .npy file (f32).
+        #[arg(long)]
+        out: PathBuf,
     },
     /// List the execution devices: the CPU NPU, accel nodes (with their drivers), and why a
     /// device cannot run ops when it cannot.
@@ -447,6 +481,101 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             );
             Ok(())
         }
+        Cmd::Encode {
+            vlm,
+            image,
+            pixels,
+            stage,
+            backend,
+            out,
+        } => {
+            let cpu = pipeline::vision::VisionEncoder::open(&vlm)?;
+            let s = cpu.config().image_size;
+            let values = match (&image, &pixels) {
+                (_, Some(path)) => {
+                    let bytes = std::fs::read(path)
+                        .map_err(|e| format!("reading {}: {e}", path.display()))?;
+                    let npy = npyz::NpyFile::new(&bytes[..])
+                        .map_err(|e| format!("{}: not a .npy file: {e}", path.display()))?;
+                    let shape = npy.shape().to_vec();
+                    let values: Vec<f32> = npy
+                        .into_vec()
+                        .map_err(|e| format!("{}: expected f32 values: {e}", path.display()))?;
+                    let want = [3, s as u64, s as u64];
+                    if shape
+                        .iter()
+                        .rev()
+                        .take(3)
+                        .rev()
+                        .copied()
+                        .collect::<Vec<_>>()
+                        != want
+                        || shape.iter().rev().skip(3).any(|&d| d != 1)
+                    {
+                        return Err(format!(
+                            "{}: shape {shape:?}, the tower takes 3x{s}x{s}",
+                            path.display()
+                        )
+                        .into());
+                    }
+                    values
+                }
+                (Some(path), None) => {
+                    let mut src = open_source(
+                        &format!("file:{}", path.display()),
+                        Pacing::AsFastAsPossible,
+                    )?;
+                    let f = src.next_frame()?.ok_or("the image has no frame")?;
+                    let access = f
+                        .buffer
+                        .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)?;
+                    // SigLIP's normalisation: mean 0.5, std 0.5 (values in -1..1), CHW.
+                    let p = Preprocess {
+                        width: s,
+                        height: s,
+                        ..Default::default()
+                    };
+                    let mut values = vec![0f32; 3 * s * s];
+                    preprocess(&f.desc, access.bytes(), &p, &mut values)?;
+                    values
+                }
+                (None, None) => return Err("pass --image or --pixels".into()),
+            };
+            let t = std::time::Instant::now();
+            let (result, shape) = match backend {
+                BackendArg::Cpu => {
+                    let v = cpu.vision(&values)?;
+                    let c = cpu.config();
+                    match stage {
+                        StageArg::Vision => {
+                            (v, vec![c.patches_per_side().pow(2) as u64, c.hidden as u64])
+                        }
+                        StageArg::Connector => (
+                            cpu.connect(&v),
+                            vec![c.image_tokens() as u64, c.text_hidden as u64],
+                        ),
+                    }
+                }
+                BackendArg::Gpu => encode_on_gpu(&cpu, &values, stage)?,
+            };
+            let elapsed = t.elapsed();
+            let file = std::fs::File::create(&out)
+                .map_err(|e| format!("creating {}: {e}", out.display()))?;
+            use npyz::WriterBuilder;
+            let mut w = npyz::WriteOptions::new()
+                .default_dtype()
+                .shape(&shape)
+                .writer(std::io::BufWriter::new(file))
+                .begin_nd()?;
+            w.extend(result.iter().copied())?;
+            w.finish()?;
+            eprintln!(
+                "wrote {} ({shape:?} f32, {stage:?} on {backend:?}) in {:.1} ms",
+                out.display(),
+                elapsed.as_secs_f64() * 1e3
+            );
+            Ok(())
+        }
         Cmd::Devices { json } => {
             use npu_hal::Backend;
             let probes: Vec<npu_hal::Probe> = [
@@ -483,4 +612,82 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             Ok(())
         }
     }
+}
+
+/// Runs the WGSL encoder on the first Vulkan adapter; the image goes up in a unified buffer
+/// imported as-is and the result is read where the GPU wrote it.
+fn encode_on_gpu(
+    cpu: &pipeline::vision::VisionEncoder,
+    values: &[f32],
+    stage: StageArg,
+) -> Result<(Vec<f32>, Vec<u64>), Box<dyn std::error::Error>> {
+    use std::sync::Arc;
+    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let adapter =
+        pollster::block_on(instance.request_adapter(&Default::default())).map_err(|e| {
+            format!("no Vulkan adapter ({e}); install a Vulkan driver or pass --backend cpu")
+        })?;
+    let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default())?;
+    let gpu = pipeline::vision_gpu::GpuVisionEncoder::new(&device, cpu)?;
+    let allocator = uvm_alloc::Allocator::new(Default::default())?;
+    let input = allocator.allocate(values.len() * 4)?;
+    input
+        .cpu_access(0..values.len() * 4, uvm_alloc::Access::Write)?
+        .typed_mut::<f32>()?
+        .copy_from_slice(values);
+    let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize)?);
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+    let input_gpu = import_wgpu_buffer(&device, &caps, Arc::new(input), usage, None)?;
+    let output_gpu = import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None)?;
+    let mut encoder = device.create_command_encoder(&Default::default());
+    gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+    let c = gpu.config().clone();
+    let vision_elems = c.patches_per_side().pow(2) * c.hidden;
+    // The vision stage's output stays in device memory; copying it out is the one transfer this
+    // debugging path makes, and it is counted.
+    let staging = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("vision readback"),
+        size: (vision_elems * 4) as u64,
+        usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ,
+        mapped_at_creation: false,
+    });
+    if matches!(stage, StageArg::Vision) {
+        encoder.copy_buffer_to_buffer(
+            gpu.vision_output(),
+            0,
+            &staging,
+            0,
+            (vision_elems * 4) as u64,
+        );
+        uvm_alloc::CopyLedger::global()
+            .stage("vision-readback")
+            .record(vision_elems * 4);
+    }
+    queue.submit([encoder.finish(), host_read_barrier(&device)?]);
+    device.poll(wgpu::PollType::wait_indefinitely())?;
+    Ok(match stage {
+        StageArg::Connector => {
+            let g = output.cpu_access(0..gpu.output_bytes() as usize, uvm_alloc::Access::Read)?;
+            (
+                g.typed::<f32>()?.to_vec(),
+                vec![c.image_tokens() as u64, c.text_hidden as u64],
+            )
+        }
+        StageArg::Vision => {
+            let slice = staging.slice(..);
+            slice.map_async(wgpu::MapMode::Read, |_| {});
+            device.poll(wgpu::PollType::wait_indefinitely())?;
+            let data = slice
+                .get_mapped_range()
+                .map_err(|e| format!("reading the vision output back: {e:?}"))?;
+            (
+                bytemuck::cast_slice::<u8, f32>(&data).to_vec(),
+                vec![c.patches_per_side().pow(2) as u64, c.hidden as u64],
+            )
+        }
+    })
 }

@@ -137,11 +137,12 @@ impl GpuVisionEncoder {
                 usage: wgpu::BufferUsages::STORAGE,
             })
         };
+        // COPY_SRC so a caller can read any stage back (`pipeline encode --stage vision`).
         let scratch = |label: &str, elems: usize| {
             device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
                 size: (elems.max(1) * 4) as u64,
-                usage: wgpu::BufferUsages::STORAGE,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
             })
         };

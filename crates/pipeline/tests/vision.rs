@@ -118,3 +118,54 @@ fn gpu_encoder_matches_transformers_on_a_real_vulkan_driver() {
         "GPU connector output differs from transformers by {rel} (relative)"
     );
 }
+
+/// `pipeline encode` end to end: .npy pixels in, the connector's output as .npy out.
+#[test]
+fn the_encode_command_writes_the_connector_output_as_npy() {
+    use npyz::WriterBuilder;
+    let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let dir = std::env::temp_dir().join(format!("pipeline-encode-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let pixels = dir.join("pixels.npy");
+    {
+        let f = std::fs::File::create(&pixels).unwrap();
+        let mut w = npyz::WriteOptions::new()
+            .default_dtype()
+            .shape(&[1, 3, 64, 64])
+            .writer(std::io::BufWriter::new(f))
+            .begin_nd()
+            .unwrap();
+        w.extend(floats(&v, "pixel_values")).unwrap();
+        w.finish().unwrap();
+    }
+    let out = dir.join("out.npy");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["encode", "--vlm"])
+        .arg(fixture("hf"))
+        .arg("--pixels")
+        .arg(&pixels)
+        .args(["--backend", "cpu", "--stage", "connector", "--out"])
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bytes = std::fs::read(&out).unwrap();
+    let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
+    assert_eq!(npy.shape(), &[16, 64]);
+    let got: Vec<f32> = npy.into_vec().unwrap();
+    assert!(rel_diff(&got, &floats(&v, "connector")) < 1e-5);
+    // A wrong shape is refused by name.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["encode", "--vlm"])
+        .arg(fixture("hf"))
+        .arg("--pixels")
+        .arg(&out)
+        .args(["--backend", "cpu", "--out"])
+        .arg(dir.join("x.npy"))
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("3x64x64"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
