@@ -71,7 +71,7 @@ impl VisionConfig {
         self.patches_per_side().pow(2) / (self.scale_factor * self.scale_factor)
     }
 
-    fn validate(&self, path: &Path) -> Result<(), VisionError> {
+    pub(crate) fn validate(&self, path: &Path) -> Result<(), VisionError> {
         let bad = |what: &str| file_error(path, format!("vision config: {what}"));
         if [
             self.image_size,
@@ -257,6 +257,69 @@ impl VisionEncoder {
             )?,
             config,
         })
+    }
+
+    /// A tower of `config`'s shape with seeded random weights (normal-ish, std 0.02; norms at 1):
+    /// for benchmarks and tests that need the real sizes without a checkpoint.
+    pub fn random(config: VisionConfig, seed: u64) -> Result<VisionEncoder, VisionError> {
+        config.validate(Path::new("<random>"))?;
+        let mut state = seed | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // Sum of four uniforms: roughly normal, std ~0.02.
+            (0..4)
+                .map(|i| ((state >> (16 * i)) & 0xffff) as f32 / 65535.0 - 0.5)
+                .sum::<f32>()
+                * 0.035
+        };
+        let mut vec = |len: usize| (0..len).map(|_| next()).collect::<Vec<f32>>();
+        let c = &config;
+        let h = c.hidden;
+        let mut mat = |rows: usize, cols: usize| {
+            DenseMatrix::new(rows, cols, vec(rows * cols)).expect("sized rows * cols")
+        };
+        let pp = 3 * c.patch_size * c.patch_size;
+        let patch = (mat(h, pp), vec![0.0; h]);
+        let positions = (0..c.patches_per_side().pow(2) * h)
+            .map(|i| ((i % 97) as f32 - 48.0) * 0.001)
+            .collect();
+        let layers = (0..c.layers)
+            .map(|_| Layer {
+                ln1: (vec![1.0; h], vec![0.0; h]),
+                q: (mat(h, h), vec![0.0; h]),
+                k: (mat(h, h), vec![0.0; h]),
+                v: (mat(h, h), vec![0.0; h]),
+                o: (mat(h, h), vec![0.0; h]),
+                ln2: (vec![1.0; h], vec![0.0; h]),
+                fc1: (mat(c.intermediate, h), vec![0.0; c.intermediate]),
+                fc2: (mat(h, c.intermediate), vec![0.0; h]),
+            })
+            .collect();
+        let f2 = c.scale_factor * c.scale_factor;
+        let projection = mat(c.text_hidden, h * f2);
+        Ok(VisionEncoder {
+            patch,
+            positions,
+            layers,
+            post_ln: (vec![1.0; h], vec![0.0; h]),
+            projection,
+            config,
+        })
+    }
+
+    /// Floating-point operations of one image (multiply-adds count two): what TFLOP/s figures
+    /// are computed from.
+    pub fn flops(&self) -> f64 {
+        let c = &self.config;
+        let n = c.patches_per_side().pow(2) as f64;
+        let (h, i) = (c.hidden as f64, c.intermediate as f64);
+        let per_layer = 2.0 * n * (4.0 * h * h + 2.0 * h * i) + 4.0 * n * n * h;
+        let patch = 2.0 * n * h * (3 * c.patch_size * c.patch_size) as f64;
+        let f2 = (c.scale_factor * c.scale_factor) as f64;
+        let connector = 2.0 * (n / f2) * (h * f2) * c.text_hidden as f64;
+        patch + c.layers as f64 * per_layer + connector
     }
 
     /// The shape.

@@ -169,3 +169,86 @@ fn the_encode_command_writes_the_connector_output_as_npy() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("3x64x64"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A wider random tower (64-wide heads, a 768-wide MLP, several GEMM tiles per dimension) on the
+/// GPU against the CPU reference, covering the tiled paths the tiny checkpoint does not reach.
+#[test]
+fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
+    use std::io::Write;
+    use std::sync::Arc;
+    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
+    use uvm_alloc::{Access, Allocator, AllocatorDesc};
+
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let Ok(adapter) = pollster::block_on(instance.request_adapter(&Default::default())) else {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        assert!(
+            !ci,
+            "no Vulkan adapter: CI must run the GPU encoder for real"
+        );
+        let _ = writeln!(std::io::stderr(), "\nSKIPPED (no Vulkan adapter)\n");
+        return;
+    };
+    let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let config = pipeline::vision::VisionConfig {
+        image_size: 160,
+        patch_size: 16,
+        hidden: 192,
+        intermediate: 768,
+        layers: 2,
+        heads: 3,
+        layer_norm_eps: 1e-6,
+        scale_factor: 2,
+        text_hidden: 100,
+    };
+    let cpu = VisionEncoder::random(config, 11).unwrap();
+    let pixels: Vec<f32> = (0..3 * 160 * 160)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
+        .collect();
+    let want = cpu.encode(&pixels).unwrap();
+    use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionOptions};
+    for options in [
+        GpuVisionOptions {
+            gemm: GemmKernel::Small,
+            attention: AttentionKernel::PerQuery,
+        },
+        GpuVisionOptions {
+            gemm: GemmKernel::Blocked,
+            attention: AttentionKernel::Tiled,
+        },
+    ] {
+        let gpu =
+            pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options).unwrap();
+        let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
+        let input = allocator.allocate(pixels.len() * 4).unwrap();
+        input
+            .cpu_access(0..pixels.len() * 4, Access::Write)
+            .unwrap()
+            .typed_mut::<f32>()
+            .unwrap()
+            .copy_from_slice(&pixels);
+        let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
+        let usage = wgpu::BufferUsages::STORAGE;
+        let input_gpu = import_wgpu_buffer(&device, &caps, Arc::new(input), usage, None).unwrap();
+        let output_gpu =
+            import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None).unwrap();
+        let mut encoder = device.create_command_encoder(&Default::default());
+        gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+        queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
+        device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+        let got = output
+            .cpu_access(0..gpu.output_bytes() as usize, Access::Read)
+            .unwrap()
+            .typed::<f32>()
+            .unwrap()
+            .to_vec();
+        let rel = rel_diff(&got, &want);
+        assert!(
+            rel < 1e-4,
+            "{options:?}: GPU differs from the CPU reference by {rel}"
+        );
+    }
+}

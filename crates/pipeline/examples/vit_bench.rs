@@ -1,0 +1,126 @@
+//! Times the vision encoder (SigLIP tower + SmolVLM connector) with random weights at a real
+//! size, on the first Vulkan adapter (WGSL) or the CPU, and prints one JSON line: median and
+//! minimum milliseconds per image over the timed runs, TFLOP/s at the median, and the device.
+//!
+//! `cargo run --release -p pipeline --example vit_bench -- [b16-512|tiny] [gpu|cpu] [ITERS]
+//! [small|blocked] [per-query|tiled]` (the last two pick the GEMM and attention kernels)
+//!
+//! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
+//! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
+//! and waits for it, so a figure includes submission and the wait.
+
+use std::time::Instant;
+
+use pipeline::vision::{VisionConfig, VisionEncoder};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let shape = args.get(1).map_or("b16-512", String::as_str);
+    let backend = args.get(2).map_or("gpu", String::as_str);
+    let iters: usize = args.get(3).map_or(Ok(20), |s| s.parse())?;
+    // Kernel choice: small|blocked GEMM, per-query|tiled attention.
+    let gemm = match args.get(4).map_or("small", String::as_str) {
+        "blocked" => pipeline::vision_gpu::GemmKernel::Blocked,
+        _ => pipeline::vision_gpu::GemmKernel::Small,
+    };
+    let attention = match args.get(5).map_or("tiled", String::as_str) {
+        "per-query" => pipeline::vision_gpu::AttentionKernel::PerQuery,
+        _ => pipeline::vision_gpu::AttentionKernel::Tiled,
+    };
+    let options = pipeline::vision_gpu::GpuVisionOptions { gemm, attention };
+    let config = match shape {
+        "b16-512" => VisionConfig {
+            image_size: 512,
+            patch_size: 16,
+            hidden: 768,
+            intermediate: 3072,
+            layers: 12,
+            heads: 12,
+            layer_norm_eps: 1e-6,
+            scale_factor: 4,
+            text_hidden: 576,
+        },
+        "tiny" => VisionConfig {
+            image_size: 128,
+            patch_size: 16,
+            hidden: 192,
+            intermediate: 768,
+            layers: 4,
+            heads: 3,
+            layer_norm_eps: 1e-6,
+            scale_factor: 2,
+            text_hidden: 576,
+        },
+        other => return Err(format!("unknown shape {other}: b16-512 or tiny").into()),
+    };
+    let cpu = VisionEncoder::random(config.clone(), 7)?;
+    let s = config.image_size;
+    let pixels: Vec<f32> = (0..3 * s * s)
+        .map(|i| ((i % 255) as f32 / 127.5) - 1.0)
+        .collect();
+    let mut times = Vec::with_capacity(iters);
+    let device_name;
+    match backend {
+        "cpu" => {
+            device_name = "cpu".to_string();
+            for _ in 0..iters.max(1) + 1 {
+                let t = Instant::now();
+                std::hint::black_box(cpu.encode(&pixels)?);
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        "gpu" => {
+            use wgpu::util::DeviceExt;
+            let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+                backends: wgpu::Backends::VULKAN,
+                ..wgpu::InstanceDescriptor::new_without_display_handle()
+            });
+            let adapter = pollster::block_on(instance.request_adapter(&Default::default()))?;
+            device_name = adapter.get_info().name;
+            let (device, queue) =
+                pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+                    required_limits: adapter.limits(),
+                    ..Default::default()
+                }))?;
+            let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options)?;
+            let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("pixels"),
+                contents: bytemuck::cast_slice(&pixels),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+            let output = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("embeddings"),
+                size: gpu.output_bytes(),
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            });
+            for _ in 0..iters.max(1) + 1 {
+                let t = Instant::now();
+                let mut encoder = device.create_command_encoder(&Default::default());
+                gpu.record(&device, &mut encoder, &input, &output);
+                queue.submit([encoder.finish()]);
+                device.poll(wgpu::PollType::wait_indefinitely())?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        other => return Err(format!("unknown backend {other}: gpu or cpu").into()),
+    }
+    times.remove(0); // warm-up (pipeline compilation, first-touch)
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    println!(
+        "{}",
+        serde_json::json!({
+            "shape": shape,
+            "backend": backend,
+            "kernels": format!("{options:?}"),
+            "device": device_name,
+            "iters": times.len(),
+            "median_ms": median,
+            "min_ms": times[0],
+            "gflop_per_image": cpu.flops() / 1e9,
+            "tflops_at_median": cpu.flops() / (median * 1e-3) / 1e12,
+        })
+    );
+    Ok(())
+}
