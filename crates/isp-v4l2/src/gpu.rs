@@ -8,7 +8,7 @@
 
 use crate::Error;
 use crate::format::{FrameDesc, PixelFormat};
-use crate::isp::{Coefficients, Crop, Layout, Preprocess, Resize};
+use crate::isp::{Coefficients, Layout, Preprocess, Resize};
 
 /// The WGSL source; entry point `main`, workgroup 8x8.
 pub const ISP_WGSL: &str = include_str!("shaders/isp.wgsl");
@@ -60,29 +60,7 @@ impl GpuParams {
     /// validates them (crop inside the frame, non-zero output, sizes that fit the shader's u32
     /// byte addressing).
     pub fn new(desc: &FrameDesc, p: &Preprocess) -> Result<GpuParams, Error> {
-        let crop = p.crop.unwrap_or(Crop {
-            x: 0,
-            y: 0,
-            width: desc.width,
-            height: desc.height,
-        });
-        if crop.width == 0
-            || crop.height == 0
-            || crop.x + crop.width > desc.width
-            || crop.y + crop.height > desc.height
-        {
-            return Err(Error::BadFrame {
-                what: format!(
-                    "crop {crop:?} outside the {}x{} frame",
-                    desc.width, desc.height
-                ),
-            });
-        }
-        if p.width == 0 || p.height == 0 {
-            return Err(Error::BadFrame {
-                what: "zero-sized output".into(),
-            });
-        }
+        let crop = p.checked_crop(desc)?;
         let u = |v: usize, what: &str| {
             u32::try_from(v).map_err(|_| Error::BadFrame {
                 what: format!("{what} {v} does not fit the GPU pass's 32-bit addressing"),

@@ -128,6 +128,42 @@ pub struct Preprocess {
     pub layout: Layout,
 }
 
+impl Preprocess {
+    /// The crop rectangle in `desc`'s frame (the whole frame when none is set), checked: inside
+    /// the frame, non-empty, and a non-empty output size. The CPU pass and the GPU pass's
+    /// parameters both start here.
+    pub fn checked_crop(&self, desc: &FrameDesc) -> Result<Crop, Error> {
+        let crop = self.crop.unwrap_or(Crop {
+            x: 0,
+            y: 0,
+            width: desc.width,
+            height: desc.height,
+        });
+        let inside = crop
+            .x
+            .checked_add(crop.width)
+            .is_some_and(|r| r <= desc.width)
+            && crop
+                .y
+                .checked_add(crop.height)
+                .is_some_and(|b| b <= desc.height);
+        if crop.width == 0 || crop.height == 0 || !inside {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "crop {crop:?} outside the {}x{} frame",
+                    desc.width, desc.height
+                ),
+            });
+        }
+        if self.width == 0 || self.height == 0 {
+            return Err(Error::BadFrame {
+                what: "zero-sized output".into(),
+            });
+        }
+        Ok(crop)
+    }
+}
+
 impl Default for Preprocess {
     /// SmolVLM/SigLIP's input: 512x512, mean 0.5, std 0.5 (values in -1..1), CHW.
     fn default() -> Preprocess {
@@ -195,29 +231,7 @@ pub fn preprocess<T: OutElem>(
     out: &mut [T],
 ) -> Result<(), Error> {
     check_bytes(desc, bytes)?;
-    let crop = p.crop.unwrap_or(Crop {
-        x: 0,
-        y: 0,
-        width: desc.width,
-        height: desc.height,
-    });
-    if crop.width == 0
-        || crop.height == 0
-        || crop.x + crop.width > desc.width
-        || crop.y + crop.height > desc.height
-    {
-        return Err(Error::BadFrame {
-            what: format!(
-                "crop {crop:?} outside the {}x{} frame",
-                desc.width, desc.height
-            ),
-        });
-    }
-    if p.width == 0 || p.height == 0 {
-        return Err(Error::BadFrame {
-            what: "zero-sized output".into(),
-        });
-    }
+    let crop = p.checked_crop(desc)?;
     let n = p.width * p.height;
     if out.len() != 3 * n {
         return Err(Error::BadFrame {

@@ -104,6 +104,27 @@ pub struct GpuVisionOptions {
     pub attention: AttentionKernel,
 }
 
+/// A bind group of `pipeline`'s group 0 with `buffers` at bindings 0, 1, 2, ...
+fn bind_buffers(
+    device: &wgpu::Device,
+    pipeline: &wgpu::ComputePipeline,
+    buffers: &[&wgpu::Buffer],
+) -> wgpu::BindGroup {
+    let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &entries,
+    })
+}
+
 fn groups_1d(len: u32) -> (u32, u32, u32) {
     let g = len.div_ceil(64);
     if g <= 65535 {
@@ -200,19 +221,7 @@ impl GpuVisionEncoder {
             })
         };
         let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
-            let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
-                .iter()
-                .enumerate()
-                .map(|(i, b)| wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource: b.as_entire_binding(),
-                })
-                .collect();
-            device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &pipelines[pipeline].get_bind_group_layout(0),
-                entries: &entries,
-            })
+            bind_buffers(device, &pipelines[pipeline], buffers)
         };
         let dummy_bias = upload("no bias", &[0.0]);
         let pp = 3 * c.patch_size * c.patch_size;
@@ -399,19 +408,7 @@ impl GpuVisionEncoder {
         let n = side * side;
         let pp = 3 * c.patch_size * c.patch_size;
         let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
-            let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
-                .iter()
-                .enumerate()
-                .map(|(i, b)| wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource: b.as_entire_binding(),
-                })
-                .collect();
-            device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &self.pipelines[pipeline].get_bind_group_layout(0),
-                entries: &entries,
-            })
+            bind_buffers(device, &self.pipelines[pipeline], buffers)
         };
         let im2col = bind(IM2COL, &[pixels, &self.patches, &self.im2col_params]);
         let (linear, tile) = match self.options.gemm {
