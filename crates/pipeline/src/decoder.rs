@@ -278,6 +278,9 @@ pub struct Decoder {
     len: usize,
     timeline: Arc<CpuTimeline>,
     tick: u64,
+    /// Host copy of the head's logits, reused across calls (an error path may drop it; the
+    /// next call reallocates).
+    logits_scratch: Vec<f32>,
 }
 
 impl Decoder {
@@ -496,6 +499,7 @@ impl Decoder {
             len: 0,
             timeline: Arc::new(CpuTimeline::new(0)),
             tick: 0,
+            logits_scratch: Vec::new(),
         };
         d.kv.add_sequence(d.seq, &[])?;
         Ok(d)
@@ -585,7 +589,10 @@ impl Decoder {
             });
         }
         let want = want.start.min(tokens.len())..want.end.min(tokens.len());
-        let mut logits = vec![0f32; self.options.max_logit_rows.max(1) * vocab];
+        // The logits buffer is kept across calls (a decode step would otherwise allocate
+        // vocab-sized memory per token); taken out so `self` stays borrowable, put back below.
+        let mut logits = std::mem::take(&mut self.logits_scratch);
+        logits.resize(self.options.max_logit_rows.max(1) * vocab, 0.0);
         let mut done = 0;
         for chunk in tokens.chunks(self.options.max_batch.max(1)) {
             let appended = self.kv.append(self.seq, chunk)?;
@@ -636,6 +643,7 @@ impl Decoder {
             }
             done += chunk.len();
         }
+        self.logits_scratch = logits;
         Ok(())
     }
 

@@ -86,8 +86,9 @@ pub struct Planned {
 pub struct MxCache {
     path: PathBuf,
     file: std::fs::File,
-    map: memmap2::Mmap,
     entries: HashMap<String, (ElemFormat, usize, usize)>,
+    /// Absolute byte range of every `NAME.scales` / `NAME.codes` tensor.
+    ranges: HashMap<String, std::ops::Range<u64>>,
 }
 
 impl MxCache {
@@ -137,14 +138,32 @@ impl MxCache {
                 .ok_or_else(|| corrupt(format!("{name}: unknown format {format:?}")))?;
             entries.insert(name, (format, rows, cols));
         }
-        // Validate the whole layout once (offsets inside the file, no overlap).
+        // Validate the whole layout once (offsets inside the file, no overlap), then keep each
+        // tensor's absolute byte range; the mapping is not needed after this.
         safetensors::SafeTensors::deserialize(&map[..])
             .map_err(|e| corrupt(format!("tensor table: {e}")))?;
+        let header_len = u64::from_le_bytes(
+            map[..8]
+                .try_into()
+                .map_err(|_| corrupt("shorter than its header length".into()))?,
+        );
+        let data_start = 8 + header_len;
+        let mut ranges = HashMap::new();
+        for name in entries.keys() {
+            for suffix in ["scales", "codes"] {
+                let tensor = format!("{name}.{suffix}");
+                let info = metadata
+                    .info(&tensor)
+                    .ok_or_else(|| corrupt(format!("{tensor} is listed but absent")))?;
+                let (begin, end) = info.data_offsets;
+                ranges.insert(tensor, data_start + begin as u64..data_start + end as u64);
+            }
+        }
         Ok(Some(MxCache {
             path: path.into(),
             file,
-            map,
             entries,
+            ranges,
         }))
     }
 
@@ -163,40 +182,31 @@ impl MxCache {
             path: self.path.clone(),
             what,
         };
-        // Offsets come from the header, validated at open; the bytes are read with pread straight
-        // into the matrix, so they are resident once (not in the page cache mapping and the heap).
-        let (_, metadata) = safetensors::SafeTensors::read_metadata(&self.map[..])
-            .map_err(|e| corrupt(format!("header: {e}")))?;
-        let header_len = u64::from_le_bytes(
-            self.map[..8]
-                .try_into()
-                .map_err(|_| corrupt("shorter than its header length".into()))?,
-        );
-        let data_start = 8 + header_len as usize;
+        // Ranges come from the header, validated at open; the bytes are read with pread straight
+        // into the matrix, so they are resident once (not in a mapping and the heap).
         let mut m =
             MxMatrix::zeros(format, rows, cols).map_err(|e| corrupt(format!("{name}: {e}")))?;
         let (scales, codes) = m.tiled_parts_mut();
         for (suffix, dst) in [("scales", scales), ("codes", codes)] {
             let tensor = format!("{name}.{suffix}");
-            let info = metadata
-                .info(&tensor)
+            let range = self
+                .ranges
+                .get(&tensor)
                 .ok_or_else(|| corrupt(format!("{tensor} is listed but absent")))?;
-            let (begin, end) = info.data_offsets;
-            if end - begin != dst.len() {
+            if range.end - range.start != dst.len() as u64 {
                 return Err(corrupt(format!(
                     "{tensor} holds {} bytes, its shape needs {}",
-                    end - begin,
+                    range.end - range.start,
                     dst.len()
                 )));
             }
-            let at = (data_start + begin) as u64;
-            std::os::unix::fs::FileExt::read_exact_at(&self.file, dst, at).map_err(|source| {
-                CacheError::Io {
+            std::os::unix::fs::FileExt::read_exact_at(&self.file, dst, range.start).map_err(
+                |source| CacheError::Io {
                     path: self.path.clone(),
                     what: format!("reading {tensor}"),
                     source,
-                }
-            })?;
+                },
+            )?;
         }
         Ok(Some(m))
     }
