@@ -139,6 +139,20 @@ impl CpuNpu {
                         o.width, o.max_rows
                     ));
                 }
+                if let Some(e) = &b.embeddings {
+                    let rows = e.rows.len();
+                    if e.rows.start > e.rows.end
+                        || e.rows.end > n
+                        || rows.checked_mul(cols) != Some(e.data.len())
+                    {
+                        return bad(format!(
+                            "embed: spliced embeddings for rows {:?} of a {n}-token batch carry {} \
+                             values, want {rows} x {cols}",
+                            e.rows,
+                            e.data.len()
+                        ));
+                    }
+                }
             }
             Op::RmsNorm { x, weight, out, .. } => {
                 let (r, c) = self.weight(weight, i)?.shape();
@@ -286,7 +300,15 @@ impl CpuNpu {
                 let mut g = o.buffer.cpu_access(0..n * o.width * 4, Access::Write)?;
                 let dst = g.typed_mut::<f32>()?;
                 let (rows, _) = w.shape();
-                for (t, row) in b.tokens.iter().zip(dst.chunks_exact_mut(o.width)) {
+                let spliced = b.embeddings.as_ref();
+                for (r, (t, row)) in b.tokens.iter().zip(dst.chunks_exact_mut(o.width)).enumerate()
+                {
+                    if let Some(e) = spliced.filter(|e| e.rows.contains(&r)) {
+                        let at = (r - e.rows.start) * o.width;
+                        // `check` proved `data` holds `rows.len() * width` values.
+                        row.copy_from_slice(&e.data[at..at + o.width]);
+                        continue;
+                    }
                     let t = *t as usize;
                     if t >= rows {
                         return Err(Error::BadOp {

@@ -82,7 +82,8 @@ pub enum Rows {
 /// place.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
-    /// `out[i] = table[tokens[i]]`.
+    /// `out[i] = table[tokens[i]]`, except the rows of [`Batch::embeddings`], which are taken
+    /// from there (an image encoder's output spliced into the token stream).
     Embed { table: WeightId, out: TensorId },
     /// `out[i] = rms_norm(x[i]) * weight`.
     RmsNorm {
@@ -140,6 +141,18 @@ pub struct Batch<'a> {
     pub slots: &'a [Slot],
     /// The rows [`Rows::Selected`] ops read.
     pub select: Range<usize>,
+    /// Rows whose input embedding another engine produced, read in place by [`Op::Embed`].
+    pub embeddings: Option<Embeddings<'a>>,
+}
+
+/// Input embeddings for a run of batch rows, supplied instead of table lookups: how an image
+/// encoder's output (a unified buffer the GPU wrote) enters the decoder without a copy of its
+/// own. `data` holds `rows.len()` rows of the embedding table's width.
+#[derive(Clone, Debug)]
+pub struct Embeddings<'a> {
+    /// Batch rows (indices into [`Batch::tokens`]) that take their embedding from `data`.
+    pub rows: Range<usize>,
+    pub data: &'a [f32],
 }
 
 /// One submission: a program, its batch, the KV cache it uses, and the timeline values it waits

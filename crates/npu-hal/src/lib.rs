@@ -43,7 +43,7 @@ pub mod sys;
 
 pub use cpu::{CpuBackend, CpuConfig, CpuNpu};
 pub use device::{
-    Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
+    Backend, Batch, Device, DeviceInfo, DeviceKind, Embeddings, Op, Probe, Rows, Submission, TensorId, Weight,
     WeightId,
 };
 pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};

@@ -563,7 +563,36 @@ impl Decoder {
         want: Range<usize>,
         on_logits: impl FnMut(usize, &[f32]),
     ) -> Result<(), DecodeError> {
-        let result = self.forward_inner(tokens, want, on_logits);
+        self.forward_spliced(tokens, None, want, on_logits)
+    }
+
+    /// [`Decoder::forward`] with the input embeddings of `tokens[start..start + rows]` taken
+    /// from `spliced = Some((start, data))` (`rows x hidden` f32, e.g. an image encoder's
+    /// output read in place from its unified buffer) instead of the embedding table; the token
+    /// ids at those positions are placeholders and only need to be inside the vocabulary.
+    pub fn forward_spliced(
+        &mut self,
+        tokens: &[u32],
+        spliced: Option<(usize, &[f32])>,
+        want: Range<usize>,
+        on_logits: impl FnMut(usize, &[f32]),
+    ) -> Result<(), DecodeError> {
+        if let Some((start, data)) = spliced {
+            let hidden = self.config.hidden;
+            if !data.len().is_multiple_of(hidden)
+                || start
+                    .checked_add(data.len() / hidden)
+                    .is_none_or(|end| end > tokens.len())
+            {
+                return Err(DecodeError::BadInput(format!(
+                    "{} spliced embedding values at token {start} are not whole rows of {hidden} \
+                     inside the {} tokens",
+                    data.len(),
+                    tokens.len()
+                )));
+            }
+        }
+        let result = self.forward_inner(tokens, spliced, want, on_logits);
         if let Err(DecodeError::Device(_) | DecodeError::Kv(_)) = &result {
             // Best effort: the original error is the one worth reporting.
             let _ = self.reset();
@@ -574,6 +603,7 @@ impl Decoder {
     fn forward_inner(
         &mut self,
         tokens: &[u32],
+        spliced: Option<(usize, &[f32])>,
         want: Range<usize>,
         mut on_logits: impl FnMut(usize, &[f32]),
     ) -> Result<(), DecodeError> {
@@ -596,6 +626,17 @@ impl Decoder {
         let mut done = 0;
         for chunk in tokens.chunks(self.options.max_batch.max(1)) {
             let appended = self.kv.append(self.seq, chunk)?;
+            // The spliced rows that fall into this chunk, in chunk coordinates.
+            let hidden = self.config.hidden;
+            let embeddings = spliced.and_then(|(start, data)| {
+                let end = start + data.len() / hidden;
+                let lo = start.max(done);
+                let hi = end.min(done + chunk.len());
+                (lo < hi).then(|| npu_hal::Embeddings {
+                    rows: lo - done..hi - done,
+                    data: &data[(lo - start) * hidden..(hi - start) * hidden],
+                })
+            });
             let wait = self.tick;
             self.tick += 1;
             let timeline: &dyn Timeline = &*self.timeline;
@@ -607,6 +648,7 @@ impl Decoder {
                     seq: self.seq,
                     slots: &appended.slots,
                     select: 0..0,
+                    embeddings,
                 },
                 kv: Some(&mut self.kv),
                 wait: Some((timeline, wait)),
@@ -629,6 +671,7 @@ impl Decoder {
                         seq: self.seq,
                         slots: &appended.slots,
                         select: row..end,
+                        embeddings: None,
                     },
                     kv: None,
                     wait: Some((timeline, wait)),

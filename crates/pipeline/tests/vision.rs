@@ -49,6 +49,63 @@ fn tower_and_connector_match_transformers() {
     );
 }
 
+/// The whole SmolVLM: the text model loads from the same checkpoint (`text_config`, tensors under
+/// `model.text_model.`), the connector's output is spliced in at the image tokens, and every
+/// position's logits match transformers' full-model forward.
+#[test]
+fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
+    use pipeline::decoder::{DecoderOptions, WeightPolicy};
+    let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids: Vec<u32> = v["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let image_token = v["image_token_id"].as_u64().map_or(299, |t| t as u32);
+    let first = ids.iter().position(|&t| t == image_token).unwrap();
+    let enc = VisionEncoder::open(&fixture("hf")).unwrap();
+    let image = enc.encode(&floats(&v, "pixel_values")).unwrap();
+    let rows = image.len() / 64;
+    assert!(ids[first..first + rows].iter().all(|&t| t == image_token));
+
+    let expected = floats(&v, "logits");
+    let vocab = expected.len() / ids.len();
+    // One batch, and batches of 5 so the image rows straddle chunk boundaries.
+    // exact-f32: f32 weights, activations and attention, as transformers runs the fixture.
+    for max_batch in [64, 5] {
+        let options = DecoderOptions {
+            policy: WeightPolicy::parse("exact-f32").unwrap(),
+            ctx: 64,
+            max_batch,
+            max_logit_rows: 4,
+            // f32 pages: transformers keeps K/V in f32.
+            kv_dtype: kv_paged::PageDtype::F32,
+            ..DecoderOptions::default()
+        };
+        let (mut decoder, _) = pipeline::llm::open_decoder(&fixture("hf"), options, 2).unwrap();
+        let mut got = vec![0f32; expected.len()];
+        decoder
+            .forward_spliced(&ids, Some((first, &image)), 0..ids.len(), |i, l| {
+                got[i * vocab..(i + 1) * vocab].copy_from_slice(l)
+            })
+            .unwrap();
+        let rel = rel_diff(&got, &expected);
+        assert!(
+            rel < 1e-4,
+            "full-model logits (max_batch {max_batch}) differ from transformers by {rel}"
+        );
+    }
+    // Without the splice the image positions read the table row of token 299: the logits must
+    // differ, or the test above could not tell the splice happened.
+    let (mut decoder, _) =
+        pipeline::llm::open_decoder(&fixture("hf"), DecoderOptions::default(), 1).unwrap();
+    let plain = decoder.forward_last(&ids).unwrap();
+    let last = &expected[(ids.len() - 1) * vocab..];
+    assert!(rel_diff(&plain, last) > 1e-3);
+}
+
 #[test]
 fn a_wrong_image_size_is_an_error_that_names_the_size() {
     let enc = VisionEncoder::open(&fixture("hf")).unwrap();

@@ -12,6 +12,9 @@
 //!   keeps q/k in `rotate_half` order), and validated. Options this decoder does not implement
 //!   (`rope_scaling`, biases, activations other than SiLU, non-LLaMA `model_type`) are errors,
 //!   not ignored.
+//! - A vision-language checkpoint (`model_type` `smolvlm` or `idefics3`) opens as its text
+//!   model: the config is its `text_config`, the tensors those under `model.text_model.`; the
+//!   vision tower in the same files is [`crate::vision`]'s to read.
 //! - `add_bos` comes from `tokenizer_config.json`'s `add_bos_token` when present (false
 //!   otherwise); [`super::open_model`] replaces it with what the tokenizer itself does.
 
@@ -95,10 +98,36 @@ pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, 
     })
 }
 
-/// Builds and validates the model config from `config.json` (and `tokenizer_config.json`).
-fn model_config(dir: &Path) -> Result<ModelConfig, LoadError> {
+/// The model types whose text model is a LLaMA nested under `text_config`, with its tensors
+/// under `model.text_model.` (SmolVLM and the Idefics3 family it comes from).
+const VLM_TYPES: [&str; 2] = ["smolvlm", "idefics3"];
+
+/// Builds and validates the model config from `config.json` (and `tokenizer_config.json`), and
+/// returns the prefix of the text model's tensor names (`model.`, or `model.text_model.` for a
+/// vision-language checkpoint, whose `text_config` describes the text model).
+fn model_config(dir: &Path) -> Result<(ModelConfig, &'static str), LoadError> {
     let path = dir.join("config.json");
-    let hf: HfConfig = read_json(&path)?;
+    let top: serde_json::Value = read_json(&path)?;
+    let vlm = top
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .is_some_and(|t| VLM_TYPES.contains(&t));
+    let (hf, prefix): (HfConfig, _) = match top.get("text_config") {
+        Some(text) if vlm => (
+            HfConfig::deserialize(text).map_err(|source| LoadError::Json {
+                path: path.clone(),
+                source,
+            })?,
+            "model.text_model.",
+        ),
+        _ => (
+            HfConfig::deserialize(&top).map_err(|source| LoadError::Json {
+                path: path.clone(),
+                source,
+            })?,
+            "model.",
+        ),
+    };
     let unsupported = |feature: String| LoadError::Unsupported {
         path: path.clone(),
         feature,
@@ -170,19 +199,26 @@ fn model_config(dir: &Path) -> Result<ModelConfig, LoadError> {
         add_bos,
     };
     config.validate()?;
-    Ok(config)
+    Ok((config, prefix))
 }
 
 /// The Hugging Face name of a canonical tensor name.
 pub fn hf_name(canonical: &str) -> Option<String> {
+    hf_name_under("model.", canonical)
+}
+
+/// The Hugging Face name of a canonical tensor name for a text model whose tensors sit under
+/// `prefix` (`model.` for a LLaMA checkpoint, `model.text_model.` inside SmolVLM); the output
+/// projection is `lm_head.weight` in both.
+pub fn hf_name_under(prefix: &str, canonical: &str) -> Option<String> {
     let fixed = match canonical {
-        "token_embd" => Some("model.embed_tokens.weight"),
-        "output_norm" => Some("model.norm.weight"),
-        "output" => Some("lm_head.weight"),
+        "token_embd" => Some("embed_tokens.weight"),
+        "output_norm" => Some("norm.weight"),
+        "output" => return Some("lm_head.weight".to_owned()),
         _ => None,
     };
     if let Some(name) = fixed {
-        return Some(name.to_owned());
+        return Some(format!("{prefix}{name}"));
     }
     let (layer, kind) = canonical.strip_prefix("blk.")?.split_once('.')?;
     if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
@@ -200,7 +236,7 @@ pub fn hf_name(canonical: &str) -> Option<String> {
         "ffn_down" => "mlp.down_proj",
         _ => return None,
     };
-    Some(format!("model.layers.{layer}.{hf}.weight"))
+    Some(format!("{prefix}layers.{layer}.{hf}.weight"))
 }
 
 /// One tensor: where it is and how to read it.
@@ -218,6 +254,8 @@ struct Entry {
 pub struct SafetensorsDir {
     dir: PathBuf,
     config: ModelConfig,
+    /// Where the text model's tensors sit (see [`hf_name_under`]).
+    prefix: &'static str,
     files: Vec<(PathBuf, memmap2::Mmap)>,
     tensors: HashMap<String, Entry>,
 }
@@ -243,7 +281,7 @@ impl SafetensorsDir {
     /// [`LoadError::InvalidConfig`] (config), [`LoadError::NoWeights`],
     /// [`LoadError::Safetensors`] (a bad header) or [`LoadError::DuplicateTensor`].
     pub fn open(dir: &Path) -> Result<Self, LoadError> {
-        let config = model_config(dir)?;
+        let (config, prefix) = model_config(dir)?;
         let io = |source| LoadError::Io {
             path: dir.to_owned(),
             source,
@@ -314,6 +352,7 @@ impl SafetensorsDir {
         Ok(Self {
             dir: dir.to_owned(),
             config,
+            prefix,
             files,
             tensors,
         })
@@ -333,7 +372,7 @@ impl SafetensorsDir {
 
     /// A canonical name maps to its Hugging Face name; a name the files use is taken as is.
     fn resolve(&self, name: &str) -> Option<(&str, &Entry)> {
-        hf_name(name)
+        hf_name_under(self.prefix, name)
             .and_then(|hf| self.tensors.get_key_value(&hf))
             .or_else(|| self.tensors.get_key_value(name))
             .map(|(k, v)| (k.as_str(), v))
