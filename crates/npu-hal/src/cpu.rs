@@ -301,7 +301,11 @@ impl CpuNpu {
                 let dst = g.typed_mut::<f32>()?;
                 let (rows, _) = w.shape();
                 let spliced = b.embeddings.as_ref();
-                for (r, (t, row)) in b.tokens.iter().zip(dst.chunks_exact_mut(o.width)).enumerate()
+                for (r, (t, row)) in b
+                    .tokens
+                    .iter()
+                    .zip(dst.chunks_exact_mut(o.width))
+                    .enumerate()
                 {
                     if let Some(e) = spliced.filter(|e| e.rows.contains(&r)) {
                         let at = (r - e.rows.start) * o.width;

@@ -43,8 +43,8 @@ pub mod sys;
 
 pub use cpu::{CpuBackend, CpuConfig, CpuNpu};
 pub use device::{
-    Backend, Batch, Device, DeviceInfo, DeviceKind, Embeddings, Op, Probe, Rows, Submission, TensorId, Weight,
-    WeightId,
+    Backend, Batch, Device, DeviceInfo, DeviceKind, Embeddings, Op, Probe, Rows, Submission,
+    TensorId, Weight, WeightId,
 };
 pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};
 

@@ -2,8 +2,8 @@
 //! size, on the first Vulkan adapter (WGSL) or the CPU, and prints one JSON line: median and
 //! minimum milliseconds per image over the timed runs, TFLOP/s at the median, and the device.
 //!
-//! `cargo run --release -p pipeline --example vit_bench -- [b16-512|tiny] [gpu|cpu] [ITERS]
-//! [small|blocked] [per-query|tiled]` (the last two pick the GEMM and attention kernels)
+//! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
+//! [small|blocked|register] [per-query|tiled]` (the last two pick the GEMM and attention kernels)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Kernel choice: small|blocked GEMM, per-query|tiled attention.
     let gemm = match args.get(4).map_or("small", String::as_str) {
         "blocked" => pipeline::vision_gpu::GemmKernel::Blocked,
+        "register" => pipeline::vision_gpu::GemmKernel::Register,
         _ => pipeline::vision_gpu::GemmKernel::Small,
     };
     let attention = match args.get(5).map_or("tiled", String::as_str) {
@@ -51,7 +52,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             scale_factor: 2,
             text_hidden: 576,
         },
-        other => return Err(format!("unknown shape {other}: b16-512 or tiny").into()),
+        // `pipeline run`'s default synthetic tower (chain::builder::SyntheticTower).
+        "synthetic" => VisionConfig {
+            image_size: 224,
+            patch_size: 16,
+            hidden: 192,
+            intermediate: 768,
+            layers: 4,
+            heads: 3,
+            layer_norm_eps: 1e-6,
+            scale_factor: 2,
+            text_hidden: 576,
+        },
+        other => {
+            return Err(format!("unknown shape {other}: b16-512, synthetic or tiny").into());
+        }
     };
     let cpu = VisionEncoder::random(config.clone(), 7)?;
     let s = config.image_size;

@@ -9,10 +9,13 @@
 //!   and llama-bench-style measurement.
 //! - [`vision`] (CPU) and [`vision_gpu`] (WGSL through wgpu): the SigLIP tower and the SmolVLM
 //!   connector.
-//! - The `pipeline` binary: `isp`, `generate`, `perplexity`, `bench`, `encode`, `devices`.
-//!
-//! Still to come (issue #9): the stage traits, the composed `run` with its timelines, stats and
-//! traces.
+//! - [`chain`]: the stage traits ([`chain::IspStage`], [`chain::EncoderStage`],
+//!   [`chain::DecoderStage`], with isp-v4l2's `FrameSource`), their CPU and GPU implementations,
+//!   and [`chain::run`], which overlaps them on timeline-driven rings of unified buffers and
+//!   reports per-stage latency, drops, tokens/s, copies and a Chrome trace.
+//! - [`grammar`]: grammar-constrained sampling (a regular expression or a JSON schema).
+//! - The `pipeline` binary: `run`, `isp`, `generate`, `perplexity`, `bench`, `encode`,
+//!   `devices`.
 //!
 //! # Design
 //! - Stages run ahead on their own workers, connected by rings of unified buffers; handoffs are
@@ -21,11 +24,15 @@
 //!
 //! # Unsafe
 //! Denied at the root; the exceptions are the `mmap` of a model file in [`model`] and of the
-//! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept.
+//! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept, and the
+//! single-producer single-consumer slots of [`chain::ring`], whose exclusive access the
+//! timelines order.
 
 #![deny(unsafe_code)]
 
+pub mod chain;
 pub mod decoder;
+pub mod grammar;
 pub mod llm;
 pub mod model;
 pub mod mxcache;

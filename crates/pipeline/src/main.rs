@@ -1,12 +1,12 @@
 //! The reference binary `pipeline`:
+//! - `run`: the whole chain (source -> ISP -> encoder -> decoder), overlapped, with a report,
+//!   `--stats-json` and a `--trace`;
 //! - `isp`: the ISP on one frame of any source, written as 8-bit RGB (what the model sees);
 //! - `generate`: stream a completion from a GGUF or safetensors LLaMA-family model;
 //! - `perplexity`: llama.cpp's perplexity method over a text file;
 //! - `bench`: llama-bench's pp/tg tests, JSON out;
 //! - `encode`: the SigLIP tower and SmolVLM connector alone (GPU or CPU), .npy out;
 //! - `devices`: the execution devices this machine has, including accel nodes without a backend.
-//!
-//! `run` arrives with issue #9.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -52,6 +52,9 @@ enum BackendArg {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// The whole chain: source -> ISP -> vision encoder -> decoder, overlapped; for each
+    /// sampled frame, stream a reply prefixed with the frame number.
+    Run(RunArgs),
     /// Run the ISP on one frame and write what the model sees (8-bit RGB, .png or raw .rgb).
     Isp {
         /// pattern:WxH@FPS[:nv12|i420|yuyv], file:clip.y4m, file:image.png or file:folder
@@ -155,6 +158,220 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// `pipeline run`'s flags; each overrides the same key of `--config`.
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// A TOML chain description (keys as these flags, `_` for `-`; see pipeline::chain::builder).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// camera:/dev/videoN[:WxH[@FPS]], file:clip.y4m, file:image.png, pattern:WxH@FPS
+    #[arg(long)]
+    source: Option<String>,
+    /// The decoder: a .gguf file or a checkpoint directory.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A SmolVLM checkpoint for the vision tower (without it a synthetic tower runs).
+    #[arg(long)]
+    vlm: Option<PathBuf>,
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Use the prompt as is, without the model's chat template.
+    #[arg(long)]
+    no_chat: bool,
+    /// Describe every N-th frame.
+    #[arg(long)]
+    every: Option<u64>,
+    /// Stop after N frames from the source.
+    #[arg(long)]
+    max_frames: Option<u64>,
+    /// Most tokens per reply.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Write the run's statistics as JSON.
+    #[arg(long)]
+    stats_json: Option<PathBuf>,
+    /// Write a Chrome/Perfetto trace of every stage span and timeline signal.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Where the ISP runs: gpu, cpu or auto.
+    #[arg(long)]
+    isp: Option<String>,
+    /// Where the vision encoder runs: gpu, cpu or auto.
+    #[arg(long)]
+    encoder: Option<String>,
+    /// drop (latest frame wins), block, or auto (drop for cameras and --realtime patterns).
+    #[arg(long)]
+    backpressure: Option<String>,
+    /// Deliver file and pattern frames at their rate.
+    #[arg(long)]
+    realtime: bool,
+    /// Slots per ring between stages.
+    #[arg(long)]
+    depth: Option<usize>,
+    #[arg(long)]
+    policy: Option<String>,
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long)]
+    ctx: Option<usize>,
+    #[arg(long)]
+    kv: Option<String>,
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Constrain every reply to this regular expression.
+    #[arg(long)]
+    regex: Option<String>,
+    /// Constrain every reply to this JSON schema (a file).
+    #[arg(long)]
+    json_schema: Option<PathBuf>,
+}
+
+impl RunArgs {
+    fn spec(&self) -> Result<pipeline::chain::builder::ChainSpec, Box<dyn std::error::Error>> {
+        use pipeline::chain::builder::ChainSpec;
+        let base = match &self.config {
+            Some(path) => ChainSpec::from_toml_file(path).map_err(|e| e.to_string())?,
+            None => ChainSpec::default(),
+        };
+        let flags = ChainSpec {
+            source: self.source.clone(),
+            model: self.model.clone(),
+            vlm: self.vlm.clone(),
+            prompt: self.prompt.clone(),
+            chat: self.no_chat.then_some(false),
+            isp: self
+                .isp
+                .as_deref()
+                .map(str::parse)
+                .transpose()?
+                .unwrap_or_default(),
+            encoder: self
+                .encoder
+                .as_deref()
+                .map(str::parse)
+                .transpose()?
+                .unwrap_or_default(),
+            every: self.every,
+            max_frames: self.max_frames,
+            max_tokens: self.max_tokens,
+            depth: self.depth,
+            backpressure: self
+                .backpressure
+                .as_deref()
+                .map(str::parse)
+                .transpose()?
+                .unwrap_or_default(),
+            realtime: self.realtime.then_some(true),
+            policy: self.policy.clone(),
+            threads: self.threads,
+            ctx: self.ctx,
+            kv: self.kv.clone(),
+            cache_dir: self.cache_dir.clone(),
+            temperature: self.temperature,
+            seed: self.seed,
+            regex: self.regex.clone(),
+            json_schema: self.json_schema.clone(),
+            ..ChainSpec::default()
+        };
+        Ok(base.overlay(flags))
+    }
+}
+
+/// `pipeline run`: builds the chain, streams replies, prints the report and writes the
+/// statistics and trace files even when a stage failed or the user pressed Ctrl-C.
+fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use pipeline::chain::{Event, percentile};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let spec = args.spec()?;
+    let built =
+        pipeline::chain::builder::build(&spec, args.trace.is_some()).map_err(|e| e.to_string())?;
+    for note in &built.notes {
+        eprintln!("{note}");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = Arc::clone(&stop);
+        // A second Ctrl-C while the chain drains ends the process at once.
+        ctrlc::set_handler(move || {
+            if stop.swap(true, Ordering::SeqCst) {
+                std::process::exit(130);
+            }
+        })?;
+    }
+    let mut stdout = std::io::stdout().lock();
+    let mut write_error: Option<std::io::Error> = None;
+    let report = pipeline::chain::run(built.chain, &built.options, Arc::clone(&stop), |event| {
+        let r = match event {
+            Event::FrameStart { frame } => write!(stdout, "[frame {frame}] "),
+            Event::Text { text, .. } => write!(stdout, "{text}").and_then(|()| stdout.flush()),
+            Event::FrameDone { .. } => writeln!(stdout),
+        };
+        if let Err(e) = r {
+            write_error.get_or_insert(e);
+            stop.store(true, Ordering::SeqCst);
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    drop(stdout);
+    if let Some(path) = &args.trace {
+        pipeline::chain::trace::write(path, &report.traces)
+            .map_err(|e| format!("writing the trace {}: {e}", path.display()))?;
+        eprintln!("trace: {} (open in ui.perfetto.dev)", path.display());
+    }
+    let json = report.to_json();
+    if let Some(path) = &args.stats_json {
+        std::fs::write(path, serde_json::to_string_pretty(&json)? + "\n")
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    }
+    let lat = |v: &[f64]| format!("{:8.1} {:8.1}", percentile(v, 50.0), percentile(v, 99.0));
+    eprintln!(
+        "frames: {} in, {} skipped (--every), {} dropped, {} preprocessed, {} encoded, {} decoded \
+         in {:.2} s ({:.2} frames/s)",
+        report.frames_in,
+        report.frames_skipped,
+        report.frames_dropped,
+        report.frames_preprocessed,
+        report.frames_encoded,
+        report.frames_decoded,
+        report.wall.as_secs_f64(),
+        report.frames_per_s()
+    );
+    eprintln!("stage latency (ms)       p50      p99");
+    for (name, v) in [
+        (&report.stage_names[0], &report.latency.isp),
+        (&report.stage_names[1], &report.latency.encoder),
+        (&report.stage_names[2], &report.latency.decoder),
+        (&"capture->reply".to_string(), &report.latency.end_to_end),
+    ] {
+        eprintln!("  {name:<20} {}", lat(v));
+    }
+    eprintln!(
+        "tokens: {} at {:.1} tok/s; time to first token p50 {:.1} ms; KV use {:.1}%; \
+         bytes copied per frame {:.0}; peak RSS {:.1} MiB",
+        report.tokens,
+        report.tokens_per_s(),
+        percentile(&report.ttft_ms, 50.0),
+        report.kv_utilisation * 100.0,
+        report.bytes_copied_per_frame(),
+        pipeline::chain::peak_rss_bytes().unwrap_or(0) as f64 / (1 << 20) as f64
+    );
+    if let Some(e) = write_error {
+        return Err(format!("writing to stdout: {e}").into());
+    }
+    if let Some(f) = &report.failure {
+        return Err(f.to_string().into());
+    }
+    if report.interrupted {
+        eprintln!("interrupted");
+    }
+    Ok(())
 }
 
 /// The model flags every decoder subcommand shares.
@@ -265,6 +482,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        Cmd::Run(args) => run_chain(&args),
         Cmd::Isp {
             source,
             frame,

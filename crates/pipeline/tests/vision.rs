@@ -276,6 +276,14 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             gemm: GemmKernel::Blocked,
             attention: AttentionKernel::Tiled,
         },
+        GpuVisionOptions {
+            gemm: GemmKernel::Register,
+            attention: AttentionKernel::PerQuery,
+        },
+        GpuVisionOptions {
+            gemm: GemmKernel::Register,
+            attention: AttentionKernel::Tiled,
+        },
     ] {
         let gpu =
             pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options).unwrap();

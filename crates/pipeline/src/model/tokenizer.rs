@@ -182,6 +182,136 @@ pub struct Tokenizer {
     stop: Vec<u32>,
     add_bos: bool,
     chat_template: Option<String>,
+    /// How a vocabulary entry spells its bytes (from the decoder), for [`Tokenizer::token_bytes`].
+    spelling: Spelling,
+    /// Ids of special added tokens, sorted: they stand for no bytes.
+    special: Vec<u32>,
+}
+
+/// How the text of a vocabulary entry spells the bytes the token stands for, read from the
+/// tokenizer's decoder once at construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Spelling {
+    /// Byte-level BPE (GPT-2, SmolLM2's GGUF `gpt2` model): each character stands for one byte
+    /// through GPT-2's `bytes_to_unicode` table (`Ġ` is a space, `Ċ` a newline). A text with a
+    /// character outside the table is its own UTF-8, as the `tokenizers` decoder does.
+    ByteLevel,
+    /// SentencePiece style (Llama, Mistral): `replacement` (`▁`) is a space and, with
+    /// `byte_fallback`, `<0xNN>` is the single byte `NN`; everything else is its UTF-8.
+    Metaspace {
+        replacement: Option<char>,
+        byte_fallback: bool,
+    },
+    /// A decoder whose text is not the concatenation of per-token pieces (WordPiece, CTC, BPE
+    /// end-of-word suffixes, or no decoder at all, which joins tokens with spaces).
+    Unknown,
+}
+
+impl Spelling {
+    /// Reads the spelling off a decoder through its serialized form (`Replace` keeps its
+    /// pattern private); a `Sequence` is searched through, `Fuse` and `Strip` change nothing
+    /// per token.
+    fn of(decoder: Option<&tokenizers::DecoderWrapper>) -> Self {
+        fn flatten<'v>(v: &'v serde_json::Value, out: &mut Vec<&'v serde_json::Value>) {
+            match v.get("decoders").and_then(serde_json::Value::as_array) {
+                Some(list) => list.iter().for_each(|d| flatten(d, out)),
+                None => out.push(v),
+            }
+        }
+        let Some(value) = decoder.and_then(|d| serde_json::to_value(d).ok()) else {
+            return Self::Unknown;
+        };
+        let mut parts = Vec::new();
+        flatten(&value, &mut parts);
+        let single_char = |v: Option<&serde_json::Value>| {
+            let text = v?.as_str()?;
+            let mut chars = text.chars();
+            chars.next().filter(|_| chars.next().is_none())
+        };
+        let (mut byte_level, mut replacement, mut byte_fallback) = (false, None, false);
+        for part in parts {
+            match part.get("type").and_then(serde_json::Value::as_str) {
+                Some("ByteLevel") => byte_level = true,
+                Some("Metaspace") => replacement = single_char(part.get("replacement")),
+                Some("Replace")
+                    if part.get("content").and_then(serde_json::Value::as_str) == Some(" ") =>
+                {
+                    replacement = single_char(part.get("pattern").and_then(|p| p.get("String")));
+                }
+                Some("ByteFallback") => byte_fallback = true,
+                Some("Fuse" | "Strip") => {}
+                _ => return Self::Unknown,
+            }
+        }
+        match (byte_level, replacement.is_some() || byte_fallback) {
+            (true, false) => Self::ByteLevel,
+            (false, true) => Self::Metaspace {
+                replacement,
+                byte_fallback,
+            },
+            _ => Self::Unknown,
+        }
+    }
+
+    /// The bytes `text` (a vocabulary entry) stands for.
+    fn bytes(self, text: &str) -> Option<Vec<u8>> {
+        match self {
+            Self::ByteLevel => Some(
+                text.chars()
+                    .map(byte_of_char)
+                    .collect::<Option<Vec<u8>>>()
+                    .unwrap_or_else(|| text.as_bytes().to_vec()),
+            ),
+            Self::Metaspace {
+                replacement,
+                byte_fallback,
+            } => {
+                if byte_fallback
+                    && let Some(byte) = text
+                        .strip_prefix("<0x")
+                        .and_then(|t| t.strip_suffix('>'))
+                        .filter(|hex| hex.len() == 2)
+                        .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                {
+                    return Some(vec![byte]);
+                }
+                Some(match replacement {
+                    Some(r) => text.replace(r, " ").into_bytes(),
+                    None => text.as_bytes().to_vec(),
+                })
+            }
+            Self::Unknown => None,
+        }
+    }
+}
+
+/// Whether GPT-2's `bytes_to_unicode` spells byte `b` as the Latin-1 character `b` itself.
+const fn gpt2_printable(b: u32) -> bool {
+    (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF)
+}
+
+/// The 68 bytes GPT-2 spells as U+0100.., in that order.
+const GPT2_SHIFTED: [u8; 68] = {
+    let mut out = [0u8; 68];
+    let (mut b, mut n) = (0u32, 0);
+    while b < 256 {
+        if !gpt2_printable(b) {
+            out[n] = b as u8;
+            n += 1;
+        }
+        b += 1;
+    }
+    assert!(n == 68);
+    out
+};
+
+/// The byte a character of GPT-2's `bytes_to_unicode` table stands for.
+fn byte_of_char(c: char) -> Option<u8> {
+    let c = u32::from(c);
+    match u8::try_from(c) {
+        Ok(b) => gpt2_printable(c).then_some(b),
+        Err(_) => GPT2_SHIFTED.get(usize::try_from(c - 0x100).ok()?).copied(),
+    }
 }
 
 impl fmt::Debug for Tokenizer {
@@ -193,6 +323,7 @@ impl fmt::Debug for Tokenizer {
             .field("stop", &self.stop)
             .field("add_bos", &self.add_bos)
             .field("chat_template", &self.chat_template.is_some())
+            .field("spelling", &self.spelling)
             .finish_non_exhaustive()
     }
 }
@@ -312,6 +443,14 @@ impl Tokenizer {
                 stop.push(id);
             }
         }
+        let spelling = Spelling::of(inner.get_decoder());
+        let mut special: Vec<u32> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        special.sort_unstable();
         Self {
             inner,
             bos,
@@ -319,6 +458,8 @@ impl Tokenizer {
             stop,
             add_bos,
             chat_template,
+            spelling,
+            special,
         }
     }
 
@@ -382,6 +523,21 @@ impl Tokenizer {
     /// `None` outside the vocabulary.
     pub fn token_to_piece(&self, id: u32) -> Option<String> {
         self.decode(&[id]).ok()
+    }
+
+    /// The bytes token `id` stands for when it is generated (`Ġhello` is `b" hello"`, the
+    /// SentencePiece `▁hello` too, `<0x0A>` is `b"\n"`), or `None` for a special token, an id
+    /// outside the vocabulary, or a tokenizer whose decoder does not spell text token by token
+    /// (WordPiece, CTC). A token may be part of a UTF-8 character, so the bytes need not be
+    /// UTF-8.
+    ///
+    /// This is what a grammar walks (see [`crate::grammar::TokenVocab`]); unlike
+    /// [`Tokenizer::token_to_piece`] it keeps partial characters and leading spaces exactly.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if self.special.binary_search(&id).is_ok() {
+            return None;
+        }
+        self.spelling.bytes(&self.inner.id_to_token(id)?)
     }
 
     /// The id of a token's vocabulary entry (byte-level spelling: `Ġthe`, `<|im_end|>`).
@@ -911,6 +1067,116 @@ mod tests {
             Tokenizer::from_file(&path),
             Err(LoadError::Tokenizer { .. })
         ));
+    }
+
+    #[test]
+    fn token_bytes_of_byte_level_bpe() {
+        let t = tiny();
+        assert_eq!(t.spelling, Spelling::ByteLevel);
+        let id = |text: &str| t.token_to_id(text).expect(text);
+        assert_eq!(t.token_bytes(id("Ġworld")).as_deref(), Some(&b" world"[..]));
+        assert_eq!(t.token_bytes(id("hello")).as_deref(), Some(&b"hello"[..]));
+        assert_eq!(t.token_bytes(id("Ċ")).as_deref(), Some(&b"\n"[..]));
+        // Every one of the 256 byte tokens is its own byte, partial UTF-8 included.
+        for (byte, c) in byte_to_char().into_iter().enumerate() {
+            assert_eq!(
+                t.token_bytes(id(&c.to_string())),
+                Some(vec![u8::try_from(byte).expect("byte")]),
+                "{c:?}"
+            );
+        }
+        // Specials (control tokens) and ids past the vocabulary stand for no bytes.
+        for special in [0, 1, 2] {
+            assert_eq!(t.token_bytes(special), None);
+        }
+        assert_eq!(t.token_bytes(100_000), None);
+        // A character outside the table is its own UTF-8, as the tokenizers decoder does.
+        assert_eq!(
+            Spelling::ByteLevel.bytes("Ġ☃").as_deref(),
+            Some("Ġ☃".as_bytes())
+        );
+    }
+
+    #[test]
+    fn token_bytes_of_sentencepiece() {
+        use tokenizers::decoders::byte_fallback::ByteFallback;
+        use tokenizers::decoders::fuse::Fuse;
+        use tokenizers::decoders::metaspace::{Metaspace, PrependScheme};
+        use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+        use tokenizers::decoders::strip::Strip;
+        use tokenizers::decoders::wordpiece::WordPiece;
+        use tokenizers::normalizers::replace::Replace;
+
+        let texts = [
+            "<unk>", "<s>", "</s>", "▁hello", "<0x0A>", "<0xE2>", "wor▁ld", "<0xZZ>",
+        ];
+        let build = |decoder: Option<tokenizers::DecoderWrapper>| {
+            let mut vocab = Vocab::default();
+            for (id, text) in texts.iter().enumerate() {
+                vocab.insert((*text).to_owned(), u32::try_from(id).expect("id"));
+            }
+            let bpe = BPE::builder()
+                .vocab_and_merges(vocab, Vec::new())
+                .byte_fallback(true)
+                .build()
+                .expect("bpe");
+            let mut inner = tokenizers::Tokenizer::new(bpe);
+            inner.with_decoder(decoder);
+            inner.add_special_tokens(&[
+                AddedToken::from("<unk>", true),
+                AddedToken::from("<s>", true),
+                AddedToken::from("</s>", true),
+            ]);
+            Tokenizer::assemble(inner, Some(1), Some(2), true, None)
+        };
+        // Llama 2's decoder.
+        let llama = build(Some(
+            DecoderSequence::new(vec![
+                Replace::new("▁", " ").expect("replace").into(),
+                ByteFallback::new().into(),
+                Fuse::new().into(),
+                Strip::new(' ', 1, 0).into(),
+            ])
+            .into(),
+        ));
+        // Newer SentencePiece conversions use Metaspace.
+        let metaspace = build(Some(
+            DecoderSequence::new(vec![
+                Metaspace::new('▁', PrependScheme::First, false).into(),
+                ByteFallback::new().into(),
+            ])
+            .into(),
+        ));
+        for t in [&llama, &metaspace] {
+            assert!(matches!(
+                t.spelling,
+                Spelling::Metaspace {
+                    byte_fallback: true,
+                    ..
+                }
+            ));
+            let bytes: Vec<Option<Vec<u8>>> = (0..8).map(|id| t.token_bytes(id)).collect();
+            assert_eq!(
+                bytes,
+                [
+                    None,
+                    None,
+                    None,
+                    Some(b" hello".to_vec()),
+                    Some(b"\n".to_vec()),
+                    Some(vec![0xE2]),
+                    Some(b"wor ld".to_vec()),
+                    Some(b"<0xZZ>".to_vec()),
+                ],
+                "{:?}",
+                t.spelling
+            );
+        }
+        // WordPiece does not spell text token by token: no bytes rather than wrong ones.
+        let wordpiece = build(Some(WordPiece::new("##".into(), true).into()));
+        assert_eq!(wordpiece.spelling, Spelling::Unknown);
+        assert_eq!(wordpiece.token_bytes(3), None);
+        assert_eq!(build(None).token_bytes(3), None);
     }
 
     /// SmolLM2-135M-Instruct's `tokenizer.chat_template`.

@@ -1,0 +1,452 @@
+//! Assembling a [`Chain`] from a description: command-line flags, a TOML file, or both (flags
+//! win). Each stage's backend is chosen here: the ISP and the encoder on the GPU (the first
+//! Vulkan adapter) or the CPU, the decoder on an npu-hal device.
+//!
+//! A TOML file uses the same names as the flags, with `_` for `-`:
+//!
+//! ```toml
+//! source = "pattern:1920x1080@60"
+//! model = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+//! prompt = "Describe the scene."
+//! isp = "gpu"          # gpu | cpu | auto
+//! encoder = "gpu"      # gpu | cpu | auto
+//! every = 30
+//! max_tokens = 32
+//! [synthetic]          # the tower used when no `vlm` checkpoint is given
+//! image_size = 224
+//! layers = 4
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use isp_v4l2::isp::{Layout, Matrix, Preprocess, Range, Resize};
+use isp_v4l2::{FrameSource, Pacing};
+use npu_hal::sampling::SamplingParams;
+use serde::Deserialize;
+
+use super::{
+    Chain, CpuEncoder, CpuIsp, EncoderStage, GpuContext, GpuEncoder, GpuIsp, IspStage, NpuDecoder,
+    PromptLayout, RunOptions, StageError,
+};
+use crate::decoder::{DecoderOptions, WeightPolicy};
+use crate::vision::{VisionConfig, VisionEncoder};
+
+/// Where a stage runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placement {
+    /// The GPU when a Vulkan adapter opens, else the CPU (said on stderr).
+    #[default]
+    Auto,
+    Gpu,
+    Cpu,
+}
+
+impl std::str::FromStr for Placement {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Placement::Auto),
+            "gpu" => Ok(Placement::Gpu),
+            "cpu" => Ok(Placement::Cpu),
+            other => Err(format!("{other:?}: use gpu, cpu or auto")),
+        }
+    }
+}
+
+/// How a full ring treats the source.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backpressure {
+    /// Drop for cameras and real-time patterns, block for files and unpaced patterns.
+    #[default]
+    Auto,
+    /// Latest frame wins.
+    Drop,
+    /// The source waits.
+    Block,
+}
+
+impl std::str::FromStr for Backpressure {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Backpressure::Auto),
+            "drop" => Ok(Backpressure::Drop),
+            "block" => Ok(Backpressure::Block),
+            other => Err(format!("{other:?}: use drop, block or auto")),
+        }
+    }
+}
+
+/// The documented synthetic vision tower: SigLIP-shaped, seeded random weights. It exercises
+/// every kernel and buffer of the real chain; its embeddings mean nothing, so neither does
+/// the text the decoder writes about them.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SyntheticTower {
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub scale_factor: usize,
+    pub seed: u64,
+}
+
+impl Default for SyntheticTower {
+    fn default() -> Self {
+        // SigLIP's layout at a size a CPU-class GPU (lavapipe) encodes in tens of milliseconds:
+        // 14x14 patches, 49 image tokens after the pixel shuffle.
+        SyntheticTower {
+            image_size: 224,
+            patch_size: 16,
+            hidden: 192,
+            intermediate: 768,
+            layers: 4,
+            heads: 3,
+            scale_factor: 2,
+            seed: 0x5161_1e,
+        }
+    }
+}
+
+/// Everything that describes a chain. Every field has a default but `source` and `model`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChainSpec {
+    /// `camera:/dev/videoN[:WxH[@FPS]]`, `file:clip.y4m`, `file:image.png`, `pattern:WxH@FPS`.
+    pub source: Option<String>,
+    /// The decoder: a .gguf file, or a directory with config.json and *.safetensors (a SmolVLM
+    /// checkpoint opens as its text model).
+    pub model: Option<PathBuf>,
+    /// A SmolVLM checkpoint whose vision tower and connector encode the frames; without it the
+    /// synthetic tower runs.
+    pub vlm: Option<PathBuf>,
+    pub prompt: Option<String>,
+    /// Wrap the prompt in the model's chat template (default true).
+    pub chat: Option<bool>,
+    pub isp: Placement,
+    pub encoder: Placement,
+    pub every: Option<u64>,
+    pub max_frames: Option<u64>,
+    pub max_tokens: Option<usize>,
+    pub depth: Option<usize>,
+    pub backpressure: Backpressure,
+    /// Deliver file and pattern frames at their rate instead of as fast as possible.
+    pub realtime: Option<bool>,
+    pub matrix: Option<String>,
+    pub range: Option<String>,
+    pub policy: Option<String>,
+    pub threads: Option<usize>,
+    pub ctx: Option<usize>,
+    pub kv: Option<String>,
+    pub cache_dir: Option<PathBuf>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    /// Constrain replies to a regular expression.
+    pub regex: Option<String>,
+    /// Constrain replies to a JSON schema (a file).
+    pub json_schema: Option<PathBuf>,
+    pub synthetic: SyntheticTower,
+}
+
+impl ChainSpec {
+    /// Reads a TOML chain description.
+    pub fn from_toml_file(path: &Path) -> Result<ChainSpec, StageError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()).into())
+    }
+
+    /// `self` with every field `other` sets taken from `other`.
+    pub fn overlay(mut self, other: ChainSpec) -> ChainSpec {
+        macro_rules! take {
+            ($($f:ident),*) => { $( if other.$f.is_some() { self.$f = other.$f; } )* };
+        }
+        take!(
+            source,
+            model,
+            vlm,
+            prompt,
+            chat,
+            every,
+            max_frames,
+            max_tokens,
+            depth,
+            realtime,
+            matrix,
+            range,
+            policy,
+            threads,
+            ctx,
+            kv,
+            cache_dir,
+            temperature,
+            top_k,
+            top_p,
+            repeat_penalty,
+            seed,
+            regex,
+            json_schema
+        );
+        if other.isp != Placement::Auto {
+            self.isp = other.isp;
+        }
+        if other.encoder != Placement::Auto {
+            self.encoder = other.encoder;
+        }
+        if other.backpressure != Backpressure::Auto {
+            self.backpressure = other.backpressure;
+        }
+        if other.synthetic != SyntheticTower::default() {
+            self.synthetic = other.synthetic;
+        }
+        self
+    }
+}
+
+/// A built chain, how to run it, and what the user should know about how it was built.
+#[derive(Debug)]
+pub struct Built {
+    pub chain: Chain,
+    pub options: RunOptions,
+    /// Lines for stderr: backends chosen, fallbacks taken, the synthetic tower notice.
+    pub notes: Vec<String>,
+}
+
+/// Opens every stage `spec` names.
+pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
+    let mut notes = Vec::new();
+    let source_spec = spec
+        .source
+        .as_deref()
+        .ok_or("no source: pass --source (camera:..., file:..., pattern:...)")?;
+    let model = spec
+        .model
+        .as_deref()
+        .or(spec.vlm.as_deref())
+        .ok_or("no model: pass --model (a .gguf file or a checkpoint directory)")?;
+    let realtime = spec.realtime.unwrap_or(false);
+    let pacing = if realtime {
+        Pacing::RealTime
+    } else {
+        Pacing::AsFastAsPossible
+    };
+    let source: Box<dyn FrameSource> = isp_v4l2::open_source(source_spec, pacing)?;
+    let live = match spec.backpressure {
+        Backpressure::Drop => true,
+        Backpressure::Block => false,
+        Backpressure::Auto => {
+            source_spec.starts_with("camera:") || (source_spec.starts_with("pattern:") && realtime)
+        }
+    };
+
+    // The decoder first: the synthetic tower needs its hidden size.
+    let kv_dtype = match spec.kv.as_deref().unwrap_or("f16") {
+        "f32" => kv_paged::PageDtype::F32,
+        "f16" => kv_paged::PageDtype::F16,
+        "bf16" => kv_paged::PageDtype::Bf16,
+        "mxfp8" => kv_paged::PageDtype::Mxfp8,
+        "mxfp4" => kv_paged::PageDtype::Mxfp4,
+        other => return Err(format!("kv {other}: use f32, f16, bf16, mxfp8 or mxfp4").into()),
+    };
+    let policy = WeightPolicy::parse(spec.policy.as_deref().unwrap_or("default"))?;
+    let ctx = spec.ctx.unwrap_or(1024);
+    let cache = {
+        let dir = match &spec.cache_dir {
+            Some(d) => d.clone(),
+            None => match model.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            },
+        };
+        crate::llm::cache_spec(model, &dir, &policy)
+    };
+    let options = DecoderOptions {
+        policy,
+        ctx,
+        max_batch: 512.min(ctx.max(1)),
+        max_logit_rows: 1,
+        kv_dtype,
+        cache,
+    };
+    let (decoder, tokenizer) = crate::llm::open_decoder(model, options, spec.threads.unwrap_or(0))?;
+    let tokenizer = tokenizer
+        .ok_or("the model has no tokenizer (GGUF tokenizer.ggml.* or tokenizer.json needed)")?;
+    let text_hidden = decoder.config().hidden;
+    notes.push(format!(
+        "decoder: {} on {} ({} threads, {}), policy {}",
+        model.display(),
+        decoder.device().info().name,
+        decoder.device().info().parallelism,
+        decoder.device().info().isa,
+        decoder.options().policy.name
+    ));
+
+    let vision = match &spec.vlm {
+        Some(dir) => {
+            let v = VisionEncoder::open(dir)?;
+            if v.config().text_hidden != text_hidden {
+                return Err(format!(
+                    "the vision checkpoint projects to {} but the decoder's hidden size is \
+                     {text_hidden}: pair a SmolVLM tower with its own text model",
+                    v.config().text_hidden
+                )
+                .into());
+            }
+            notes.push(format!("vision: {} (SigLIP + connector)", dir.display()));
+            v
+        }
+        None => {
+            let s = &spec.synthetic;
+            let config = VisionConfig {
+                image_size: s.image_size,
+                patch_size: s.patch_size,
+                hidden: s.hidden,
+                intermediate: s.intermediate,
+                layers: s.layers,
+                heads: s.heads,
+                layer_norm_eps: 1e-6,
+                scale_factor: s.scale_factor,
+                text_hidden,
+            };
+            notes.push(format!(
+                "vision: SYNTHETIC tower (seeded random SigLIP weights, {}x{} input, {} layers, \
+                 {} image tokens): no trained SmolVLM tower is among the reachable sources, so \
+                 the embeddings carry no meaning and the text below is not a description of the \
+                 frame; pass --vlm DIR with a SmolVLM checkpoint for real captions",
+                s.image_size,
+                s.image_size,
+                s.layers,
+                config.image_tokens()
+            ));
+            VisionEncoder::random(config, s.seed)?
+        }
+    };
+
+    let size = vision.config().image_size;
+    let matrix = match spec.matrix.as_deref().unwrap_or("bt601") {
+        "bt601" => Matrix::Bt601,
+        "bt709" => Matrix::Bt709,
+        other => return Err(format!("matrix {other}: use bt601 or bt709").into()),
+    };
+    let range = match spec.range.as_deref().unwrap_or("limited") {
+        "limited" => Range::Limited,
+        "full" => Range::Full,
+        other => return Err(format!("range {other}: use limited or full").into()),
+    };
+    let desc = source.desc();
+    let preprocess = Preprocess {
+        matrix,
+        range,
+        crop: None,
+        width: size,
+        height: size,
+        // Area averaging when shrinking (every source pixel counts, no aliasing).
+        resize: if desc.width >= size && desc.height >= size {
+            Resize::Area
+        } else {
+            Resize::Bilinear
+        },
+        // SmolVLM's processor: image_mean = image_std = 0.5.
+        mean: [0.5; 3],
+        std: [0.5; 3],
+        layout: Layout::Chw,
+    };
+
+    let wants_gpu = spec.isp != Placement::Cpu || spec.encoder != Placement::Cpu;
+    let gpu = if wants_gpu {
+        match GpuContext::open() {
+            Ok(g) => Some(g),
+            Err(e) if spec.isp != Placement::Gpu && spec.encoder != Placement::Gpu => {
+                notes.push(format!("no GPU ({e}); the ISP and encoder run on the CPU"));
+                None
+            }
+            Err(e) => return Err(e),
+        }
+    } else {
+        None
+    };
+    let isp: Box<dyn IspStage> = match (&gpu, spec.isp) {
+        (Some(g), Placement::Gpu | Placement::Auto) => Box::new(GpuIsp::new(g.clone(), preprocess)),
+        _ => Box::new(CpuIsp::new(preprocess)),
+    };
+    let encoder: Box<dyn EncoderStage> = match (&gpu, spec.encoder) {
+        (Some(g), Placement::Gpu | Placement::Auto) => {
+            Box::new(GpuEncoder::new(g.clone(), &vision)?)
+        }
+        _ => Box::new(CpuEncoder::new(vision)),
+    };
+    notes.push(format!(
+        "source: {source_spec} ({}x{} {:?}); isp: {}; encoder: {}{}",
+        desc.width,
+        desc.height,
+        desc.format,
+        isp.name(),
+        encoder.name(),
+        gpu.as_ref()
+            .map(|g| format!(" on {}", g.adapter))
+            .unwrap_or_default()
+    ));
+
+    let layout = PromptLayout::new(
+        &tokenizer,
+        spec.prompt.as_deref().unwrap_or("Describe the scene."),
+        encoder.image_tokens(),
+        spec.chat.unwrap_or(true),
+        decoder.config().add_bos,
+    )?;
+    let grammar = match (&spec.regex, &spec.json_schema) {
+        (Some(_), Some(_)) => return Err("pass --regex or --json-schema, not both".into()),
+        (Some(r), None) => {
+            let vocab = crate::grammar::TokenVocab::from_tokenizer(&tokenizer)?;
+            Some(crate::grammar::Grammar::regex(r, &vocab)?)
+        }
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let schema: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+            let vocab = crate::grammar::TokenVocab::from_tokenizer(&tokenizer)?;
+            Some(crate::grammar::Grammar::json_schema(&schema, &vocab)?)
+        }
+        (None, None) => None,
+    };
+    let sampling = SamplingParams {
+        temperature: spec.temperature.unwrap_or(0.0),
+        top_k: spec.top_k.unwrap_or(40),
+        top_p: spec.top_p.unwrap_or(0.95),
+        repetition_penalty: spec.repeat_penalty.unwrap_or(1.1),
+        seed: spec.seed.unwrap_or(0x5eed),
+        ..Default::default()
+    };
+    let decoder = NpuDecoder::new(
+        decoder,
+        tokenizer,
+        layout,
+        sampling,
+        spec.max_tokens.unwrap_or(32),
+        grammar,
+    );
+    Ok(Built {
+        chain: Chain {
+            source,
+            isp,
+            encoder,
+            decoder: Box::new(decoder),
+        },
+        options: RunOptions {
+            every: spec.every.unwrap_or(1).max(1),
+            max_frames: spec.max_frames,
+            depth: spec.depth.unwrap_or(2).max(1),
+            live,
+            trace,
+        },
+        notes,
+    })
+}

@@ -1,0 +1,630 @@
+//! The chain: frame source -> ISP -> vision encoder -> decoder, each stage on its own worker,
+//! running ahead of the next through rings of unified buffers handed off by timeline values.
+//!
+//! ```text
+//!  source thread      isp thread            encoder thread          calling thread
+//!  next_frame() --> [frames ring] --> isp --> [pixels ring] --> encode --> [embeddings ring] --> describe
+//!                   (source's own           (tensors in unified     (embeddings in unified
+//!                    buffers)                buffers, depth D)       buffers, depth D)
+//! ```
+//!
+//! While frame N is being decoded, frame N+1 is encoded and N+2 preprocessed: each ring lets
+//! its producer run `depth` items ahead ([`ring`]). A stage's output tensor is written where
+//! the next stage reads it (the same unified buffer, imported into Vulkan when a GPU stage
+//! touches it), so the per-frame copy count is what the copy ledger says: zero on the GPU path
+//! over unified memory.
+//!
+//! Backpressure: a live source (a camera, or a pattern paced in real time) never waits. When
+//! the first ring is full the newest frame waits beside it, replacing (dropping) an older one,
+//! and every consumer takes the newest item it finds, dropping older ones: latest frame wins,
+//! and each drop is counted. A file source blocks instead, so every sampled frame is decoded.
+//!
+//! Shutdown: the source ending (or `stop`, raised by Ctrl-C) closes the first ring; each stage
+//! drains what it received and closes its own output, so frames already encoded are still
+//! decoded unless `stop` is up. A failing stage drops its rings, which ends the stream
+//! downstream after the items it had published and tells upstream nobody reads any more; the
+//! failure comes back in [`RunReport::failure`] next to the statistics of everything that did
+//! complete.
+
+pub mod builder;
+#[allow(unsafe_code)]
+pub mod ring;
+#[allow(unsafe_code)]
+pub mod stages;
+pub mod trace;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use isp_v4l2::{Frame, FrameSource};
+use uvm_alloc::{Access, Allocator, CopyLedger, UnifiedBuffer};
+
+use ring::{Consumer, Ended, Producer};
+pub use stages::{
+    CpuEncoder, CpuIsp, DecoderStage, EncoderStage, Generation, GpuContext, GpuEncoder, GpuIsp,
+    IspStage, NpuDecoder, PromptLayout, StageError,
+};
+use trace::TraceLog;
+
+/// The stages of one chain, as trait objects.
+pub struct Chain {
+    pub source: Box<dyn FrameSource>,
+    pub isp: Box<dyn IspStage>,
+    pub encoder: Box<dyn EncoderStage>,
+    pub decoder: Box<dyn DecoderStage>,
+}
+
+impl std::fmt::Debug for Chain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chain")
+            .field("source", &self.source.desc())
+            .field("isp", &self.isp.name())
+            .field("encoder", &self.encoder.name())
+            .field("decoder", &self.decoder.name())
+            .finish()
+    }
+}
+
+/// How the chain runs.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Take every `every`-th frame of the source (1 = all); the others are skipped, not dropped.
+    pub every: u64,
+    /// Stop after this many frames have come from the source.
+    pub max_frames: Option<u64>,
+    /// Slots per ring (how far a stage may run ahead of the next).
+    pub depth: usize,
+    /// Latest frame wins (drop and count older frames) instead of blocking the source.
+    pub live: bool,
+    /// Record trace events.
+    pub trace: bool,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            every: 1,
+            max_frames: None,
+            depth: 2,
+            live: false,
+            trace: false,
+        }
+    }
+}
+
+/// What the chain tells its caller as it runs (on the calling thread).
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// Decoding of `frame` (the source's sequence number) starts.
+    FrameStart { frame: u64 },
+    /// A piece of the reply for `frame`.
+    Text { frame: u64, text: &'a str },
+    /// The reply for `frame` is complete.
+    FrameDone {
+        frame: u64,
+        generation: &'a Generation,
+    },
+}
+
+/// A stage that stopped the chain, and why.
+#[derive(Debug)]
+pub struct StageFailure {
+    pub stage: String,
+    pub error: String,
+}
+
+impl std::fmt::Display for StageFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stage {} failed: {}", self.stage, self.error)
+    }
+}
+
+/// Per-stage latencies in milliseconds, in completion order.
+#[derive(Clone, Debug, Default)]
+pub struct Latencies {
+    pub isp: Vec<f64>,
+    pub encoder: Vec<f64>,
+    pub decoder: Vec<f64>,
+    /// Capture to last token.
+    pub end_to_end: Vec<f64>,
+}
+
+/// Everything a run measured.
+#[derive(Debug, Default)]
+pub struct RunReport {
+    pub frames_in: u64,
+    pub frames_skipped: u64,
+    pub frames_dropped: u64,
+    pub frames_preprocessed: u64,
+    pub frames_encoded: u64,
+    pub frames_decoded: u64,
+    pub tokens: u64,
+    /// Sum of the decode phases (first token to last).
+    pub decode_time: Duration,
+    pub ttft_ms: Vec<f64>,
+    pub latency: Latencies,
+    pub wall: Duration,
+    /// Bytes the copy ledger recorded during the run.
+    pub bytes_copied: u64,
+    pub kv_utilisation: f64,
+    pub stage_names: [String; 3],
+    pub traces: Vec<TraceLog>,
+    /// Set when the user stopped the run (Ctrl-C).
+    pub interrupted: bool,
+    pub failure: Option<StageFailure>,
+}
+
+/// The record that travels with each item through the rings.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    frame: u64,
+    captured: Instant,
+}
+
+/// Runs `chain` until its source ends, `options.max_frames` frames have come in, `stop` is
+/// raised, or a stage fails; `on_event` sees the replies as they stream. The run's figures come
+/// back even when a stage failed.
+///
+/// # Errors
+/// Only setup errors (allocating the rings' buffers); a stage failing mid-run is reported in
+/// [`RunReport::failure`].
+pub fn run(
+    chain: Chain,
+    options: &RunOptions,
+    stop: Arc<AtomicBool>,
+    mut on_event: impl FnMut(Event<'_>),
+) -> Result<RunReport, StageError> {
+    let Chain {
+        mut source,
+        mut isp,
+        mut encoder,
+        mut decoder,
+    } = chain;
+    let depth = options.depth.max(1);
+    let every = options.every.max(1);
+    let allocator = Allocator::new(Default::default())?;
+    let buffers = |bytes: usize| -> Result<Vec<Arc<UnifiedBuffer>>, StageError> {
+        (0..depth)
+            .map(|_| Ok(Arc::new(allocator.allocate(bytes)?)))
+            .collect()
+    };
+    let pixels_bytes = isp.output_bytes();
+    let s = encoder.image_size();
+    if pixels_bytes != 3 * s * s * 4 {
+        return Err(format!(
+            "the ISP writes {pixels_bytes} bytes but the encoder reads 3 x {s} x {s} f32"
+        )
+        .into());
+    }
+    let embed_len = encoder.image_tokens() * encoder.text_hidden();
+    let pixel_buffers = buffers(pixels_bytes)?;
+    let embed_buffers = buffers(embed_len * 4)?;
+
+    let ledger_before = CopyLedger::global().report().total_bytes();
+    let origin = Instant::now();
+    let (mut frames_tx, mut frames_rx) =
+        ring::ring::<(Frame, Item)>("frames", depth, Vec::new(), Arc::clone(&stop));
+    let (mut pixels_tx, mut pixels_rx) =
+        ring::ring::<Item>("pixels", depth, pixel_buffers, Arc::clone(&stop));
+    let (mut embed_tx, mut embed_rx) =
+        ring::ring::<Item>("embeddings", depth, embed_buffers, Arc::clone(&stop));
+    let stage_names = [
+        isp.name().to_string(),
+        encoder.name().to_string(),
+        decoder.name().to_string(),
+    ];
+
+    let mut report = RunReport {
+        stage_names: stage_names.clone(),
+        ..RunReport::default()
+    };
+    let live = options.live;
+    let max_frames = options.max_frames;
+    let trace = options.trace;
+
+    std::thread::scope(|scope| {
+        let source_stop = Arc::clone(&stop);
+        let source_thread = scope.spawn(move || {
+            let mut log = TraceLog::new(origin, 1, "source", trace);
+            let mut counts = SourceCounts::default();
+            let result = feed(
+                &mut *source,
+                &mut frames_tx,
+                &source_stop,
+                live,
+                every,
+                max_frames,
+                &mut counts,
+                &mut log,
+            );
+            frames_tx.close();
+            (counts, log, result.err().map(|e| ("source".to_string(), e)))
+        });
+        let isp_name = stage_names[0].clone();
+        let isp_thread = scope.spawn(move || {
+            let mut log = TraceLog::new(origin, 2, "isp", trace);
+            let mut done = StageCounts::default();
+            let result = pump(
+                &mut frames_rx,
+                &mut pixels_tx,
+                live,
+                &mut done,
+                &mut log,
+                "isp",
+                |(frame, item), out| {
+                    isp.process(&frame, out)?;
+                    Ok(item)
+                },
+                |(frame, item)| {
+                    let _ = frame;
+                    item.frame
+                },
+            );
+            pixels_tx.close();
+            frames_rx.abandon();
+            (done, log, result.err().map(|e| (isp_name, e)))
+        });
+        let encoder_name = stage_names[1].clone();
+        let encoder_thread = scope.spawn(move || {
+            let mut log = TraceLog::new(origin, 3, "encoder", trace);
+            let mut done = StageCounts::default();
+            let result = pump_buffers(
+                &mut pixels_rx,
+                &mut embed_tx,
+                live,
+                &mut done,
+                &mut log,
+                |pixels, out| encoder.encode(pixels, out),
+            );
+            embed_tx.close();
+            pixels_rx.abandon();
+            (done, log, result.err().map(|e| (encoder_name, e)))
+        });
+
+        // The decoder runs here, so replies stream on the caller's thread.
+        let mut log = TraceLog::new(origin, 4, "decoder", trace);
+        let mut decoder_failure = None;
+        loop {
+            let received = match receive_newest(&mut embed_rx, live, &mut report.frames_dropped) {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(Ended::Stopped | Ended::Closed) => break,
+            };
+            let (item, buffer) = received;
+            let buffer = buffer.expect("the embeddings ring has buffers");
+            let start = Instant::now();
+            on_event(Event::FrameStart { frame: item.frame });
+            let result = (|| -> Result<Generation, StageError> {
+                let guard = buffer.cpu_access(0..embed_len * 4, Access::Read)?;
+                let image = guard.typed::<f32>()?;
+                decoder.describe(image, &mut |text| {
+                    on_event(Event::Text {
+                        frame: item.frame,
+                        text,
+                    });
+                    !stop.load(Ordering::SeqCst)
+                })
+            })();
+            embed_rx.release();
+            let elapsed = start.elapsed();
+            log.span("decode", Some(item.frame), start, elapsed);
+            match result {
+                Ok(generation) => {
+                    report.frames_decoded += 1;
+                    report.tokens += generation.tokens as u64;
+                    report.decode_time += generation.decode_time;
+                    report
+                        .ttft_ms
+                        .push(generation.time_to_first_token.as_secs_f64() * 1e3);
+                    report.latency.decoder.push(ms(elapsed));
+                    report.latency.end_to_end.push(ms(item.captured.elapsed()));
+                    report.kv_utilisation = report.kv_utilisation.max(decoder.kv_utilisation());
+                    on_event(Event::FrameDone {
+                        frame: item.frame,
+                        generation: &generation,
+                    });
+                }
+                Err(e) => {
+                    decoder_failure = Some((stage_names[2].clone(), e));
+                    break;
+                }
+            }
+            if stop.load(Ordering::SeqCst) {
+                break;
+            }
+        }
+        // Whatever ended the loop, upstream must stop waiting for this consumer.
+        embed_rx.abandon();
+
+        let (source_counts, source_log, source_failure) = source_thread
+            .join()
+            .expect("the source thread returns its errors");
+        let (isp_counts, isp_log, isp_failure) = isp_thread
+            .join()
+            .expect("the ISP thread returns its errors");
+        let (encoder_counts, encoder_log, encoder_failure) = encoder_thread
+            .join()
+            .expect("the encoder thread returns its errors");
+        report.frames_in = source_counts.frames_in;
+        report.frames_skipped = source_counts.skipped;
+        report.frames_dropped +=
+            source_counts.dropped + isp_counts.dropped + encoder_counts.dropped;
+        report.frames_preprocessed = isp_counts.done;
+        report.frames_encoded = encoder_counts.done;
+        report.latency.isp = isp_counts.latency_ms;
+        report.latency.encoder = encoder_counts.latency_ms;
+        report.traces = vec![source_log, isp_log, encoder_log, log];
+        // The first failure in chain order is the cause; later stages only saw the stream end.
+        report.failure = [
+            source_failure,
+            isp_failure,
+            encoder_failure,
+            decoder_failure,
+        ]
+        .into_iter()
+        .flatten()
+        .next()
+        .map(|(stage, error)| StageFailure {
+            stage,
+            error: error.to_string(),
+        });
+    });
+    report.wall = origin.elapsed();
+    report.interrupted = stop.load(Ordering::SeqCst);
+    report.bytes_copied = CopyLedger::global()
+        .report()
+        .total_bytes()
+        .saturating_sub(ledger_before);
+    Ok(report)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[derive(Debug, Default)]
+struct SourceCounts {
+    frames_in: u64,
+    skipped: u64,
+    dropped: u64,
+}
+
+#[derive(Debug, Default)]
+struct StageCounts {
+    done: u64,
+    dropped: u64,
+    latency_ms: Vec<f64>,
+}
+
+/// The source worker: pulls frames, samples every `every`-th, and feeds the first ring, blocking
+/// (files) or keeping only the newest waiting frame (live sources).
+#[allow(clippy::too_many_arguments)]
+fn feed(
+    source: &mut dyn FrameSource,
+    tx: &mut Producer<(Frame, Item)>,
+    stop: &AtomicBool,
+    live: bool,
+    every: u64,
+    max_frames: Option<u64>,
+    counts: &mut SourceCounts,
+    log: &mut TraceLog,
+) -> Result<(), StageError> {
+    let mut waiting: Option<(Frame, Item)> = None;
+    while !stop.load(Ordering::SeqCst) && max_frames.is_none_or(|m| counts.frames_in < m) {
+        // A live source never waits for the ring: the frame beside it goes in when there is room.
+        if let Some(w) = waiting.take() {
+            if tx.has_room() {
+                publish(tx, w, log)?;
+            } else {
+                waiting = Some(w);
+            }
+        }
+        let start = Instant::now();
+        let Some(frame) = source.next_frame()? else {
+            break;
+        };
+        let index = counts.frames_in;
+        counts.frames_in += 1;
+        if !index.is_multiple_of(every) {
+            counts.skipped += 1;
+            continue;
+        }
+        log.span("capture", Some(frame.sequence), start, start.elapsed());
+        let item = Item {
+            frame: frame.sequence,
+            captured: Instant::now(),
+        };
+        if !live {
+            match tx.reserve() {
+                Ok(_) => {}
+                Err(_) => break,
+            }
+            publish(tx, (frame, item), log)?;
+        } else if waiting.is_none() && tx.has_room() {
+            publish(tx, (frame, item), log)?;
+        } else {
+            if waiting.is_some() {
+                counts.dropped += 1;
+            }
+            waiting = Some((frame, item));
+        }
+    }
+    if waiting.is_some() {
+        counts.dropped += 1;
+    }
+    Ok(())
+}
+
+fn publish(
+    tx: &mut Producer<(Frame, Item)>,
+    w: (Frame, Item),
+    log: &mut TraceLog,
+) -> Result<(), StageError> {
+    let frame = w.1.frame;
+    tx.reserve().map_err(|e| format!("frames ring: {e:?}"))?;
+    let value = tx.publish(w);
+    log.signal("frames", value, Some(frame));
+    Ok(())
+}
+
+/// Receives the next item; a live consumer skips to the newest published one, releasing (and
+/// counting) the older ones.
+fn receive_newest<T>(
+    rx: &mut Consumer<T>,
+    live: bool,
+    dropped: &mut u64,
+) -> Result<Option<(T, Option<Arc<UnifiedBuffer>>)>, Ended> {
+    let mut got = rx.receive()?;
+    while live && got.is_some() && rx.newer_available() {
+        rx.release();
+        *dropped += 1;
+        got = rx.receive()?;
+    }
+    Ok(got)
+}
+
+/// The ISP worker's loop: frames in, tensors out.
+#[allow(clippy::too_many_arguments)]
+fn pump<I, F, G>(
+    rx: &mut Consumer<I>,
+    tx: &mut Producer<Item>,
+    live: bool,
+    counts: &mut StageCounts,
+    log: &mut TraceLog,
+    span: &str,
+    mut work: F,
+    frame_of: G,
+) -> Result<(), StageError>
+where
+    F: FnMut(I, &Arc<UnifiedBuffer>) -> Result<Item, StageError>,
+    G: Fn(&I) -> u64,
+{
+    loop {
+        let Ok(Some((input, _))) = receive_newest(rx, live, &mut counts.dropped) else {
+            return Ok(());
+        };
+        let frame = frame_of(&input);
+        let Ok(Some(out)) = tx.reserve() else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let result = work(input, &out);
+        rx.release();
+        let item = result?;
+        let elapsed = start.elapsed();
+        log.span(span, Some(frame), start, elapsed);
+        counts.done += 1;
+        counts.latency_ms.push(ms(elapsed));
+        let value = tx.publish(item);
+        log.signal(tx.name(), value, Some(frame));
+    }
+}
+
+/// The encoder worker's loop: tensors in, embeddings out, both in ring buffers.
+fn pump_buffers(
+    rx: &mut Consumer<Item>,
+    tx: &mut Producer<Item>,
+    live: bool,
+    counts: &mut StageCounts,
+    log: &mut TraceLog,
+    mut work: impl FnMut(&Arc<UnifiedBuffer>, &Arc<UnifiedBuffer>) -> Result<(), StageError>,
+) -> Result<(), StageError> {
+    loop {
+        let Ok(Some((item, input))) = receive_newest(rx, live, &mut counts.dropped) else {
+            return Ok(());
+        };
+        let input = input.expect("the pixels ring has buffers");
+        let Ok(Some(out)) = tx.reserve() else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let result = work(&input, &out);
+        rx.release();
+        result?;
+        let elapsed = start.elapsed();
+        log.span("encode", Some(item.frame), start, elapsed);
+        counts.done += 1;
+        counts.latency_ms.push(ms(elapsed));
+        let value = tx.publish(item);
+        log.signal(tx.name(), value, Some(item.frame));
+    }
+}
+
+/// `p`-th percentile (0..=100) of `values` by nearest rank; 0 when empty.
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// The process's peak resident set (`VmHWM`), if /proc says.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+impl RunReport {
+    /// Decode tokens per second over the decode phases.
+    pub fn tokens_per_s(&self) -> f64 {
+        let t = self.decode_time.as_secs_f64();
+        if t > 0.0 { self.tokens as f64 / t } else { 0.0 }
+    }
+
+    /// Frames decoded per second of wall time.
+    pub fn frames_per_s(&self) -> f64 {
+        self.frames_decoded as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// Bytes the ledger recorded per frame that reached the decoder.
+    pub fn bytes_copied_per_frame(&self) -> f64 {
+        self.bytes_copied as f64 / self.frames_decoded.max(1) as f64
+    }
+
+    /// The `--stats-json` document.
+    pub fn to_json(&self) -> serde_json::Value {
+        let lat = |v: &[f64]| {
+            serde_json::json!({
+                "p50": percentile(v, 50.0),
+                "p99": percentile(v, 99.0),
+                "n": v.len(),
+            })
+        };
+        serde_json::json!({
+            "frames_in": self.frames_in,
+            "frames_skipped": self.frames_skipped,
+            "frames_dropped": self.frames_dropped,
+            "frames_preprocessed": self.frames_preprocessed,
+            "frames_encoded": self.frames_encoded,
+            "frames_decoded": self.frames_decoded,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens_per_s(),
+            "ttft_ms": lat(&self.ttft_ms),
+            "frames_per_s": self.frames_per_s(),
+            "wall_s": self.wall.as_secs_f64(),
+            "bytes_copied": self.bytes_copied,
+            "bytes_copied_per_frame": self.bytes_copied_per_frame(),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "kv_utilisation": self.kv_utilisation,
+            "stages": {
+                "isp": self.stage_names[0],
+                "encoder": self.stage_names[1],
+                "decoder": self.stage_names[2],
+            },
+            "stage_latency_ms": {
+                "isp": lat(&self.latency.isp),
+                "encoder": lat(&self.latency.encoder),
+                "decoder": lat(&self.latency.decoder),
+                "end_to_end": lat(&self.latency.end_to_end),
+            },
+            "interrupted": self.interrupted,
+            "failure": self.failure.as_ref().map(|f| f.to_string()),
+        })
+    }
+}
