@@ -50,6 +50,8 @@ enum BackendArg {
     Cpu,
 }
 
+// `run`'s flags make its variant large; the enum is built once per process.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// The whole chain: source -> ISP -> vision encoder -> decoder, overlapped; for each

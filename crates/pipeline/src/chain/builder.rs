@@ -107,7 +107,7 @@ impl Default for SyntheticTower {
             layers: 4,
             heads: 3,
             scale_factor: 2,
-            seed: 0x5161_1e,
+            seed: 0x0051_611e,
         }
     }
 }

@@ -474,7 +474,7 @@ fn receive_newest<T>(
     rx: &mut Consumer<T>,
     live: bool,
     dropped: &mut u64,
-) -> Result<Option<(T, Option<Arc<UnifiedBuffer>>)>, Ended> {
+) -> Result<Option<ring::Received<T>>, Ended> {
     let mut got = rx.receive()?;
     while live && got.is_some() && rx.newer_available() {
         rx.release();

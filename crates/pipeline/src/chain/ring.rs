@@ -74,6 +74,10 @@ impl<T> Shared<T> {
     }
 }
 
+/// What [`Consumer::receive`] hands over: the item's record and its slot's buffer (when the
+/// ring has buffers).
+pub type Received<T> = (T, Option<Arc<UnifiedBuffer>>);
+
 /// The writing half of a ring.
 pub struct Producer<T> {
     shared: Arc<Shared<T>>,
@@ -208,7 +212,7 @@ impl<T> Consumer<T> {
 
     /// Waits for the next item; `Ok(None)` at the end of the stream. The item's buffer stays
     /// the consumer's to read until [`Consumer::release`].
-    pub fn receive(&mut self) -> Result<Option<(T, Option<Arc<UnifiedBuffer>>)>, Ended> {
+    pub fn receive(&mut self) -> Result<Option<Received<T>>, Ended> {
         self.shared.wait(&self.shared.filled, self.next + 1)?;
         if self.next >= self.shared.end.load(Ordering::SeqCst) {
             return Ok(None);

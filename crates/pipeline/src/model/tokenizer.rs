@@ -186,6 +186,9 @@ pub struct Tokenizer {
     spelling: Spelling,
     /// Ids of special added tokens, sorted: they stand for no bytes.
     special: Vec<u32>,
+    /// Ids with added tokens. Kept because `tokenizers` computes it by building the whole
+    /// vocabulary map (milliseconds for 49k entries), and every decode checks ids against it.
+    vocab_size: usize,
 }
 
 /// How the text of a vocabulary entry spells the bytes the token stands for, read from the
@@ -451,7 +454,9 @@ impl Tokenizer {
             .map(|(id, _)| id)
             .collect();
         special.sort_unstable();
+        let vocab_size = inner.get_vocab_size(true);
         Self {
+            vocab_size,
             inner,
             bos,
             eos,
@@ -547,7 +552,7 @@ impl Tokenizer {
 
     /// Number of ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     /// Beginning-of-sequence id.
