@@ -363,3 +363,88 @@ fn a_live_source_drops_old_frames_and_the_newest_wins() {
     );
     assert!(decoded.windows(2).all(|w| w[0] < w[1]), "{decoded:?}");
 }
+
+/// Ctrl-C on an endless live source: the binary stops, keeps the replies it streamed, and still
+/// writes its statistics.
+#[test]
+fn ctrl_c_stops_an_endless_run_cleanly() {
+    use std::io::Read;
+    let dir = tiny_vlm();
+    let stats = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chain-ctrl-c.json");
+    let _ = std::fs::remove_file(&stats);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args([
+            "run",
+            "--source",
+            "pattern:64x48@100",
+            "--realtime",
+            "--model",
+        ])
+        .arg(&dir)
+        .arg("--vlm")
+        .arg(&dir)
+        .args(["--isp", "cpu", "--encoder", "cpu", "--max-tokens", "2"])
+        .args(["--policy", "exact-f32", "--stats-json"])
+        .arg(&stats)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the first reply, then interrupt.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !String::from_utf8_lossy(&seen).contains("\n[frame ") {
+        assert_eq!(
+            stdout.read(&mut byte).unwrap(),
+            1,
+            "the run ended by itself"
+        );
+        seen.push(byte[0]);
+    }
+    let interrupted = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupted.success());
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(v["interrupted"], true);
+    assert!(v["frames_encoded"].as_u64().unwrap() >= 2);
+}
+
+/// `--regex` constrains every reply: the tiny model's byte tokens can only spell the pattern.
+#[test]
+fn replies_follow_the_regex_given_to_pipeline_run() {
+    let dir = tiny_vlm();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+        .args(["run", "--source", "pattern:64x48@30", "--model"])
+        .arg(&dir)
+        .arg("--vlm")
+        .arg(&dir)
+        .args(["--isp", "cpu", "--encoder", "cpu", "--max-frames", "2"])
+        .args(["--max-tokens", "16", "--policy", "exact-f32"])
+        .args(["--regex", "(yes|no), [0-9]{2}"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    for line in lines {
+        let reply = line.split_once("] ").unwrap().1;
+        let (word, digits) = reply.split_once(", ").expect(reply);
+        assert!(word == "yes" || word == "no", "{reply}");
+        assert!(
+            digits.len() == 2 && digits.bytes().all(|b| b.is_ascii_digit()),
+            "{reply}"
+        );
+    }
+}

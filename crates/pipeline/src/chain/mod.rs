@@ -414,10 +414,10 @@ fn feed(
     while !stop.load(Ordering::SeqCst) && max_frames.is_none_or(|m| counts.frames_in < m) {
         // A live source never waits for the ring: the frame beside it goes in when there is room.
         if let Some(w) = waiting.take() {
-            if tx.has_room() {
-                publish(tx, w, log)?;
-            } else {
+            if !tx.has_room() {
                 waiting = Some(w);
+            } else if !publish(tx, w, log) {
+                return Ok(());
             }
         }
         let start = Instant::now();
@@ -435,14 +435,11 @@ fn feed(
             frame: frame.sequence,
             captured: Instant::now(),
         };
-        if !live {
-            match tx.reserve() {
-                Ok(_) => {}
-                Err(_) => break,
+        if !live || (waiting.is_none() && tx.has_room()) {
+            // A file blocks here until the ISP frees a slot.
+            if !publish(tx, (frame, item), log) {
+                return Ok(());
             }
-            publish(tx, (frame, item), log)?;
-        } else if waiting.is_none() && tx.has_room() {
-            publish(tx, (frame, item), log)?;
         } else {
             if waiting.is_some() {
                 counts.dropped += 1;
@@ -456,16 +453,16 @@ fn feed(
     Ok(())
 }
 
-fn publish(
-    tx: &mut Producer<(Frame, Item)>,
-    w: (Frame, Item),
-    log: &mut TraceLog,
-) -> Result<(), StageError> {
+/// Publishes a frame; `false` when the ring ended (stop raised, or the ISP gone): the source
+/// then stops, which is not a failure of its own.
+fn publish(tx: &mut Producer<(Frame, Item)>, w: (Frame, Item), log: &mut TraceLog) -> bool {
     let frame = w.1.frame;
-    tx.reserve().map_err(|e| format!("frames ring: {e:?}"))?;
+    if tx.reserve().is_err() {
+        return false;
+    }
     let value = tx.publish(w);
     log.signal("frames", value, Some(frame));
-    Ok(())
+    true
 }
 
 /// Receives the next item; a live consumer skips to the newest published one, releasing (and
