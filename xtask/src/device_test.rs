@@ -98,6 +98,12 @@ const TESTS: &[HardwareTest] = &[
         Need::Camera,
     ),
     hw(
+        "pipeline",
+        Target::Test("chain"),
+        "the_chain_describes_camera_frames",
+        Need::Camera,
+    ),
+    hw(
         "npu-hal",
         Target::Lib,
         "accel::tests::every_accel_node_identifies_its_driver",
@@ -119,6 +125,15 @@ const TESTS: &[HardwareTest] = &[
             "pipeline",
             Target::Test("vision"),
             "gpu_encoder_matches_the_cpu_reference_on_a_wider_tower",
+            Need::Vulkan,
+        )
+    },
+    HardwareTest {
+        ignored: false,
+        ..hw(
+            "pipeline",
+            Target::Test("chain"),
+            "the_gpu_chain_decodes_every_sampled_frame_with_zero_copies",
             Need::Vulkan,
         )
     },

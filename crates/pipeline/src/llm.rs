@@ -83,8 +83,24 @@ pub fn generate(
     max_tokens: usize,
     sampling: SamplingParams,
     stop: &[u32],
+    on_token: impl FnMut(u32) -> bool,
+) -> Result<GenerationStats, DecodeError> {
+    generate_constrained(decoder, prompt, max_tokens, sampling, stop, None, on_token)
+}
+
+/// [`generate`] with every token restricted by `grammar` (when given): disallowed tokens are
+/// masked before sampling, and generation ends when the grammar can take no more text.
+pub fn generate_constrained(
+    decoder: &mut Decoder,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: &[u32],
+    grammar: Option<&crate::grammar::Grammar>,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<GenerationStats, DecodeError> {
+    let grammar_error = |e: crate::grammar::GrammarError| DecodeError::Sampling(e.to_string());
+    let mut state = grammar.map(|g| g.start());
     let mut sampler = Sampler::new(sampling).map_err(|e| DecodeError::Sampling(e.to_string()))?;
     decoder.reset()?;
     let mut stats = GenerationStats {
@@ -99,6 +115,9 @@ pub fn generate(
     let mut logits = decoder.forward_last(prompt)?;
     let mut first = None;
     for i in 0..max_tokens {
+        if let (Some(g), Some(s)) = (grammar, state) {
+            g.mask(s, &mut logits).map_err(grammar_error)?;
+        }
         let next = sampler
             .sample(&mut logits, &history)
             .map_err(|e| DecodeError::Sampling(e.to_string()))?;
@@ -109,9 +128,13 @@ pub fn generate(
         if stop.contains(&next) {
             break;
         }
+        if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
+            *s = g.advance(*s, next).map_err(grammar_error)?;
+        }
         stats.generated += 1;
         history.push(next);
-        if !on_token(next) || i + 1 == max_tokens {
+        let exhausted = grammar.zip(state).is_some_and(|(g, s)| g.is_exhausted(s));
+        if !on_token(next) || exhausted || i + 1 == max_tokens {
             break;
         }
         logits = decoder.forward_last(&[next])?;

@@ -109,6 +109,12 @@ enum Cmd {
         repeat_penalty: f32,
         #[arg(long, default_value_t = 0x5eed)]
         seed: u64,
+        /// Constrain the completion to this regular expression.
+        #[arg(long, conflicts_with = "json_schema")]
+        regex: Option<String>,
+        /// Constrain the completion to this JSON schema (a file).
+        #[arg(long)]
+        json_schema: Option<PathBuf>,
     },
     /// Perplexity of a text file, by llama.cpp's method (comparable with llama-perplexity).
     Perplexity {
@@ -364,6 +370,12 @@ fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         report.bytes_copied_per_frame(),
         pipeline::chain::peak_rss_bytes().unwrap_or(0) as f64 / (1 << 20) as f64
     );
+    for (stage, bytes) in &report.bytes_copied_by_stage {
+        eprintln!(
+            "  copied by {stage}: {bytes} bytes ({:.0} per frame)",
+            *bytes as f64 / report.frames_decoded.max(1) as f64
+        );
+    }
     if let Some(e) = write_error {
         return Err(format!("writing to stdout: {e}").into());
     }
@@ -562,8 +574,30 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             top_p,
             repeat_penalty,
             seed,
+            regex,
+            json_schema,
         } => {
             let (mut decoder, tokenizer) = model.open(1)?;
+            let grammar = match (&regex, &json_schema, &tokenizer) {
+                (None, None, _) => None,
+                (_, _, None) => {
+                    return Err("a grammar needs the model's tokenizer (its token bytes)".into());
+                }
+                (Some(r), _, Some(tok)) => Some(pipeline::grammar::Grammar::regex(
+                    r,
+                    &pipeline::grammar::TokenVocab::from_tokenizer(tok)?,
+                )?),
+                (None, Some(path), Some(tok)) => {
+                    let text = std::fs::read_to_string(path)
+                        .map_err(|e| format!("reading {}: {e}", path.display()))?;
+                    let schema: serde_json::Value = serde_json::from_str(&text)
+                        .map_err(|e| format!("{}: {e}", path.display()))?;
+                    Some(pipeline::grammar::Grammar::json_schema(
+                        &schema,
+                        &pipeline::grammar::TokenVocab::from_tokenizer(tok)?,
+                    )?)
+                }
+            };
             let ids = match (&prompt_ids, &prompt) {
                 (Some(ids), _) => pipeline::llm::parse_ids(ids)?,
                 (None, Some(text)) => {
@@ -595,8 +629,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let mut stream = tokenizer.as_ref().map(|t| t.stream_decoder());
             let mut generated = Vec::new();
             let mut write_error = None;
-            let stats =
-                pipeline::llm::generate(&mut decoder, &ids, max_tokens, sampling, &stop, |id| {
+            let stats = pipeline::llm::generate_constrained(
+                &mut decoder,
+                &ids,
+                max_tokens,
+                sampling,
+                &stop,
+                grammar.as_ref(),
+                |id| {
                     generated.push(id);
                     if print_ids {
                         return true;
@@ -613,7 +653,8 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                         return false;
                     }
                     true
-                })?;
+                },
+            )?;
             if let Some(e) = write_error {
                 return Err(format!("writing to stdout: {e}").into());
             }

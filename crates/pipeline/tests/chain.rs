@@ -448,3 +448,48 @@ fn replies_follow_the_regex_given_to_pipeline_run() {
         );
     }
 }
+
+/// The chain on a real camera: live capture into exported dma-bufs, latest frame wins, and no
+/// byte copied on the way to the decoder. Runs under `cargo xtask device-test` where a camera
+/// exists; ignored (never a pass) elsewhere.
+#[cfg(feature = "v4l2")]
+#[test]
+#[ignore = "hardware: needs a V4L2 capture device (/dev/video*) offering NV12, YUYV, YU12 or RGB3"]
+fn the_chain_describes_camera_frames() {
+    let camera = isp_v4l2::v4l2::list_cameras()
+        .into_iter()
+        .filter_map(Result::ok)
+        .find(|c| c.can_stream && c.formats.iter().any(|f| f.isp_format.is_some()))
+        .expect("a streaming camera with a format the ISP reads");
+    let dir = tiny_vlm();
+    let spec = ChainSpec {
+        source: Some(format!("camera:{}:640x480", camera.path.display())),
+        model: Some(dir.clone()),
+        vlm: Some(dir),
+        every: Some(10),
+        max_frames: Some(60),
+        max_tokens: Some(4),
+        policy: Some("exact-f32".into()),
+        ..ChainSpec::default()
+    };
+    let built = build(&spec, false).unwrap();
+    assert!(built.options.live, "a camera is a live source");
+    let report = pipeline::chain::run(
+        built.chain,
+        &built.options,
+        Arc::new(AtomicBool::new(false)),
+        |_| {},
+    )
+    .unwrap();
+    assert!(report.failure.is_none(), "{:?}", report.failure);
+    assert_eq!(report.frames_in, 60);
+    assert!(report.frames_decoded >= 1);
+    assert_eq!(
+        report.frames_skipped + report.frames_dropped + report.frames_decoded,
+        60
+    );
+    assert_eq!(
+        report.bytes_copied, 0,
+        "camera frames are read where the driver put them"
+    );
+}

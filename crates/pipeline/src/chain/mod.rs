@@ -147,6 +147,8 @@ pub struct RunReport {
     pub wall: Duration,
     /// Bytes the copy ledger recorded during the run.
     pub bytes_copied: u64,
+    /// The same, per ledger stage (`y4m-read`, `encoder-cpu-output`, ...), stages with copies only.
+    pub bytes_copied_by_stage: Vec<(String, u64)>,
     pub kv_utilisation: f64,
     pub stage_names: [String; 3],
     pub traces: Vec<TraceLog>,
@@ -201,7 +203,7 @@ pub fn run(
     let pixel_buffers = buffers(pixels_bytes)?;
     let embed_buffers = buffers(embed_len * 4)?;
 
-    let ledger_before = CopyLedger::global().report().total_bytes();
+    let ledger_before = CopyLedger::global().report();
     let origin = Instant::now();
     let (mut frames_tx, mut frames_rx) =
         ring::ring::<(Frame, Item)>("frames", depth, Vec::new(), Arc::clone(&stop));
@@ -372,10 +374,18 @@ pub fn run(
     });
     report.wall = origin.elapsed();
     report.interrupted = stop.load(Ordering::SeqCst);
-    report.bytes_copied = CopyLedger::global()
-        .report()
-        .total_bytes()
-        .saturating_sub(ledger_before);
+    for stage in CopyLedger::global().report().stages {
+        let before = ledger_before
+            .stages
+            .iter()
+            .find(|s| s.stage == stage.stage)
+            .map_or(0, |s| s.bytes);
+        let bytes = stage.bytes.saturating_sub(before);
+        if bytes > 0 {
+            report.bytes_copied += bytes;
+            report.bytes_copied_by_stage.push((stage.stage, bytes));
+        }
+    }
     Ok(report)
 }
 
@@ -607,6 +617,11 @@ impl RunReport {
             "wall_s": self.wall.as_secs_f64(),
             "bytes_copied": self.bytes_copied,
             "bytes_copied_per_frame": self.bytes_copied_per_frame(),
+            "bytes_copied_by_stage": self
+                .bytes_copied_by_stage
+                .iter()
+                .map(|(stage, bytes)| (stage.clone(), serde_json::Value::from(*bytes)))
+                .collect::<serde_json::Map<_, _>>(),
             "peak_rss_bytes": peak_rss_bytes(),
             "kv_utilisation": self.kv_utilisation,
             "stages": {
