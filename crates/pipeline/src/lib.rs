@@ -38,3 +38,8 @@ pub mod model;
 pub mod mxcache;
 pub mod vision;
 pub mod vision_gpu;
+
+/// The README's example, compiled as a doctest so it cannot rot (`no_run`: it needs the model).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExample;

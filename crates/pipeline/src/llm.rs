@@ -37,6 +37,21 @@ pub fn open_decoder(
     Ok((decoder, tokenizer))
 }
 
+/// Opens a model file or directory on `device` (any npu-hal backend's device).
+pub fn open_decoder_on(
+    model: &Path,
+    options: DecoderOptions,
+    device: Box<dyn npu_hal::Device>,
+) -> Result<(Decoder, Option<Tokenizer>), DecodeError> {
+    let crate::model::LoadedModel {
+        config,
+        tensors: source,
+        tokenizer,
+    } = crate::model::open_model(model)?;
+    let decoder = Decoder::new(config, &*source, device, options)?;
+    Ok((decoder, tokenizer))
+}
+
 /// The converted-weight cache for `model` under `policy`, kept in `dir` (see
 /// [`crate::mxcache`]); `None` when the model file cannot be stat'ed.
 pub fn cache_spec(

@@ -209,6 +209,9 @@ struct RunArgs {
     /// Where the vision encoder runs: gpu, cpu or auto.
     #[arg(long)]
     encoder: Option<String>,
+    /// The decoder's device: cpu (the reference NPU) or accel (a /dev/accel NPU).
+    #[arg(long)]
+    device: Option<String>,
     /// drop (latest frame wins), block, or auto (drop for cameras and --realtime patterns).
     #[arg(long)]
     backpressure: Option<String>,
@@ -251,6 +254,7 @@ impl RunArgs {
             source: self.source.clone(),
             model: self.model.clone(),
             vlm: self.vlm.clone(),
+            device: self.device.clone(),
             prompt: self.prompt.clone(),
             chat: self.no_chat.then_some(false),
             isp: self

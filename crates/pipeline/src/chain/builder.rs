@@ -10,6 +10,7 @@
 //! prompt = "Describe the scene."
 //! isp = "gpu"          # gpu | cpu | auto
 //! encoder = "gpu"      # gpu | cpu | auto
+//! device = "cpu"       # the decoder's npu-hal backend: cpu | accel
 //! every = 30
 //! max_tokens = 32
 //! [synthetic]          # the tower used when no `vlm` checkpoint is given
@@ -129,6 +130,9 @@ pub struct ChainSpec {
     pub chat: Option<bool>,
     pub isp: Placement,
     pub encoder: Placement,
+    /// The decoder's npu-hal backend: `cpu` (the reference NPU, default) or `accel` (a
+    /// `/dev/accel` device, once its driver has an execution backend).
+    pub device: Option<String>,
     pub every: Option<u64>,
     pub max_frames: Option<u64>,
     pub max_tokens: Option<usize>,
@@ -172,6 +176,7 @@ impl ChainSpec {
             source,
             model,
             vlm,
+            device,
             prompt,
             chat,
             every,
@@ -275,7 +280,15 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         kv_dtype,
         cache,
     };
-    let (decoder, tokenizer) = crate::llm::open_decoder(model, options, spec.threads.unwrap_or(0))?;
+    let (decoder, tokenizer) = match spec.device.as_deref().unwrap_or("cpu") {
+        "cpu" => crate::llm::open_decoder(model, options, spec.threads.unwrap_or(0))?,
+        "accel" => {
+            use npu_hal::Backend;
+            let device = npu_hal::AccelBackend.open()?;
+            crate::llm::open_decoder_on(model, options, device)?
+        }
+        other => return Err(format!("device {other:?}: use cpu or accel").into()),
+    };
     let tokenizer = tokenizer
         .ok_or("the model has no tokenizer (GGUF tokenizer.ggml.* or tokenizer.json needed)")?;
     let text_hidden = decoder.config().hidden;
