@@ -140,7 +140,8 @@ enum Cmd {
     },
     /// Run the vision encoder alone and write its output as .npy (image embeddings).
     Encode {
-        /// A SmolVLM checkpoint directory (config.json + *.safetensors).
+        /// A SmolVLM checkpoint directory (config.json + *.safetensors) or a llama.cpp mmproj
+        /// GGUF file.
         #[arg(long)]
         vlm: PathBuf,
         /// An image file (PNG/JPEG), resized and normalised by the ISP.
@@ -754,7 +755,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             backend,
             out,
         } => {
-            let cpu = pipeline::vision::VisionEncoder::open(&vlm)?;
+            let cpu = pipeline::vision::VisionEncoder::open_path(&vlm)?;
             let s = cpu.config().image_size;
             let values = match (&image, &pixels) {
                 (_, Some(path)) => {

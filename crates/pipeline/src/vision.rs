@@ -200,14 +200,107 @@ impl VisionEncoder {
         };
         config.validate(&config_path)?;
         let tensors = Tensors::open(dir)?;
+        VisionEncoder::assemble(config, &|name, len| {
+            tensors.get(&Naming::Hf.name(name), len)
+        })
+    }
+
+    /// Opens a SmolVLM checkpoint directory ([`VisionEncoder::open`]) or an mmproj GGUF file
+    /// ([`VisionEncoder::open_mmproj`]).
+    pub fn open_path(path: &Path) -> Result<VisionEncoder, VisionError> {
+        if path.is_dir() {
+            VisionEncoder::open(path)
+        } else {
+            VisionEncoder::open_mmproj(path)
+        }
+    }
+
+    /// Loads a llama.cpp multimodal projector file (`mmproj-*.gguf`, projector type
+    /// `idefics3`: SmolVLM's tower and connector under llama.cpp's CLIP names, `v.blk.N.*`,
+    /// `mm.model.fc.weight`), f32, f16 or bf16 tensors, hyperparameters from the `clip.vision.*`
+    /// keys. The text model's hidden size is the projector's output width.
+    pub fn open_mmproj(path: &Path) -> Result<VisionEncoder, VisionError> {
+        let file = crate::model::gguf::GgufFile::open(path)?;
+        let bad = |what: String| file_error(path, what);
+        let text = |key: &str| file.get(key).and_then(|v| v.as_str());
+        match text("general.architecture") {
+            Some("clip") => {}
+            other => {
+                return Err(bad(format!(
+                    "not a multimodal projector (mmproj) file: general.architecture is {}, \
+                     expected \"clip\"",
+                    other.map_or("missing".to_string(), |a| format!("{a:?}"))
+                )));
+            }
+        }
+        if let Some(kind) = text("clip.projector_type").or(text("clip.vision.projector_type"))
+            && kind != "idefics3"
+        {
+            return Err(bad(format!(
+                "projector type {kind:?}: only idefics3 (SmolVLM) mmproj files are supported"
+            )));
+        }
+        let int = |key: &str| -> Result<usize, VisionError> {
+            file.get(key)
+                .and_then(|v| v.as_int())
+                .and_then(|v| usize::try_from(v).ok())
+                .ok_or_else(|| bad(format!("metadata {key} is missing or not a size")))
+        };
+        let proj = "mm.model.fc.weight";
+        let (text_hidden, _) = crate::model::TensorSource::shape(&file, proj).ok_or_else(|| {
+            VisionError::Load(LoadError::TensorMissing {
+                tensor: proj.to_string(),
+            })
+        })?;
+        let config = VisionConfig {
+            image_size: int("clip.vision.image_size")?,
+            patch_size: int("clip.vision.patch_size")?,
+            hidden: int("clip.vision.embedding_length")?,
+            intermediate: int("clip.vision.feed_forward_length")?,
+            layers: int("clip.vision.block_count")?,
+            heads: int("clip.vision.attention.head_count")?,
+            layer_norm_eps: file
+                .get("clip.vision.attention.layer_norm_epsilon")
+                .and_then(|v| v.as_f32())
+                .unwrap_or(1e-6),
+            scale_factor: int("clip.vision.projector.scale_factor").unwrap_or(2),
+            text_hidden,
+        };
+        config.validate(path)?;
+        let get = |name: &str, len: usize| -> Result<Vec<f32>, VisionError> {
+            let gguf_name = Naming::Mmproj.name(name);
+            let (rows, cols) =
+                crate::model::TensorSource::shape(&file, &gguf_name).ok_or_else(|| {
+                    VisionError::Load(LoadError::TensorMissing {
+                        tensor: gguf_name.clone(),
+                    })
+                })?;
+            if rows.checked_mul(cols) != Some(len) {
+                return Err(bad(format!(
+                    "{gguf_name} has {rows} x {cols} elements, the config needs {len}"
+                )));
+            }
+            let mut out = vec![0f32; len];
+            crate::model::TensorSource::read_rows(&file, &gguf_name, 0..rows, &mut out)?;
+            Ok(out)
+        };
+        VisionEncoder::assemble(config, &get)
+    }
+
+    /// Builds the encoder from `get(logical name, element count)` (names as [`Naming`] spells
+    /// them for Hugging Face files).
+    fn assemble(
+        config: VisionConfig,
+        get: &dyn Fn(&str, usize) -> Result<Vec<f32>, VisionError>,
+    ) -> Result<VisionEncoder, VisionError> {
         let c = &config;
         let h = c.hidden;
         let pp = 3 * c.patch_size * c.patch_size;
         let mat = |name: &str, rows: usize, cols: usize| -> Result<DenseMatrix, VisionError> {
-            let data = tensors.get(name, rows * cols)?;
+            let data = get(name, rows * cols)?;
             Ok(DenseMatrix::new(rows, cols, data).expect("sized rows * cols"))
         };
-        let vec = |name: &str, len: usize| tensors.get(name, len);
+        let vec = |name: &str, len: usize| get(name, len);
         let v = "model.vision_model";
         let mut layers = Vec::with_capacity(c.layers);
         for i in 0..c.layers {
@@ -487,6 +580,49 @@ fn gelu_tanh(x: f32) -> f32 {
 }
 
 /// The safetensors files of a directory, mapped, with every tensor read as f32 on request.
+/// How a file spells the tower's tensor names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Naming {
+    /// Hugging Face SmolVLM: `model.vision_model.*`, `model.connector.*` (the logical names).
+    Hf,
+    /// llama.cpp's mmproj GGUF: `v.*`, `mm.model.fc.*` (gguf-py's tensor map for MMPROJ).
+    Mmproj,
+}
+
+impl Naming {
+    /// The file's name for logical (Hugging Face) tensor `name`.
+    fn name(self, name: &str) -> String {
+        if self == Naming::Hf {
+            return name.to_string();
+        }
+        let (stem, suffix) = name.rsplit_once('.').unwrap_or((name, ""));
+        let mapped = if let Some(rest) = stem.strip_prefix("model.vision_model.encoder.layers.") {
+            let (layer, part) = rest.split_once('.').unwrap_or((rest, ""));
+            let part = match part {
+                "layer_norm1" => "ln1",
+                "layer_norm2" => "ln2",
+                "self_attn.q_proj" => "attn_q",
+                "self_attn.k_proj" => "attn_k",
+                "self_attn.v_proj" => "attn_v",
+                "self_attn.out_proj" => "attn_out",
+                "mlp.fc1" => "ffn_up",
+                "mlp.fc2" => "ffn_down",
+                other => other,
+            };
+            format!("v.blk.{layer}.{part}")
+        } else {
+            match stem {
+                "model.vision_model.embeddings.patch_embedding" => "v.patch_embd".into(),
+                "model.vision_model.embeddings.position_embedding" => "v.position_embd".into(),
+                "model.vision_model.post_layernorm" => "v.post_ln".into(),
+                "model.connector.modality_projection.proj" => "mm.model.fc".into(),
+                other => other.to_string(),
+            }
+        };
+        format!("{mapped}.{suffix}")
+    }
+}
+
 struct Tensors {
     maps: Vec<(std::path::PathBuf, memmap2::Mmap)>,
     index: HashMap<String, usize>,

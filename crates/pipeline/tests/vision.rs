@@ -106,6 +106,50 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
     assert!(rel_diff(&plain, last) > 1e-3);
 }
 
+/// The same tower from llama.cpp's mmproj GGUF (CLIP names, f16 matrices; made by
+/// make_mmproj.py with gguf-py's own tensor map): the same config, and the connector output of
+/// transformers within f16 weight rounding.
+#[test]
+fn the_mmproj_gguf_loads_the_same_tower() {
+    let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let hf = VisionEncoder::open(&fixture("hf")).unwrap();
+    let gguf = VisionEncoder::open_path(&fixture("mmproj.gguf")).unwrap();
+    assert_eq!(gguf.config(), hf.config());
+    let got = gguf.encode(&floats(&v, "pixel_values")).unwrap();
+    let rel = rel_diff(&got, &floats(&v, "connector"));
+    assert!(
+        rel < 5e-3,
+        "mmproj connector differs from transformers by {rel}"
+    );
+    assert!(
+        rel > 0.0,
+        "f16 weights cannot reproduce f32 exactly: was the file read?"
+    );
+}
+
+/// A truncated or foreign GGUF is an error naming the problem, never a panic.
+#[test]
+fn a_bad_mmproj_is_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("mmproj-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bytes = std::fs::read(fixture("mmproj.gguf")).unwrap();
+    for cut in [10, 100, bytes.len() / 2, bytes.len() - 1] {
+        let path = dir.join("cut.gguf");
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let err = VisionEncoder::open_mmproj(&path).unwrap_err().to_string();
+        assert!(!err.is_empty());
+    }
+    // A text model GGUF is not a projector.
+    let err = VisionEncoder::open_mmproj(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/tiny-llama/tiny.gguf"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("not a multimodal projector"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_wrong_image_size_is_an_error_that_names_the_size() {
     let enc = VisionEncoder::open(&fixture("hf")).unwrap();

@@ -122,8 +122,8 @@ pub struct ChainSpec {
     /// The decoder: a .gguf file, or a directory with config.json and *.safetensors (a SmolVLM
     /// checkpoint opens as its text model).
     pub model: Option<PathBuf>,
-    /// A SmolVLM checkpoint whose vision tower and connector encode the frames; without it the
-    /// synthetic tower runs.
+    /// A SmolVLM checkpoint directory or a llama.cpp mmproj GGUF whose vision tower and
+    /// connector encode the frames; without it the synthetic tower runs.
     pub vlm: Option<PathBuf>,
     pub prompt: Option<String>,
     /// Wrap the prompt in the model's chat template (default true).
@@ -303,7 +303,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
 
     let vision = match &spec.vlm {
         Some(dir) => {
-            let v = VisionEncoder::open(dir)?;
+            let v = VisionEncoder::open_path(dir)?;
             if v.config().text_hidden != text_hidden {
                 return Err(format!(
                     "the vision checkpoint projects to {} but the decoder's hidden size is \
