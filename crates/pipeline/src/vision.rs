@@ -291,7 +291,7 @@ impl VisionEncoder {
     /// them for Hugging Face files).
     fn assemble(
         config: VisionConfig,
-        get: &dyn Fn(&str, usize) -> Result<Vec<f32>, VisionError>,
+        get: &TensorReader<'_>,
     ) -> Result<VisionEncoder, VisionError> {
         let c = &config;
         let h = c.hidden;
@@ -580,6 +580,9 @@ fn gelu_tanh(x: f32) -> f32 {
 }
 
 /// The safetensors files of a directory, mapped, with every tensor read as f32 on request.
+/// Reads a tensor by logical name as exactly that many f32 values.
+type TensorReader<'a> = dyn Fn(&str, usize) -> Result<Vec<f32>, VisionError> + 'a;
+
 /// How a file spells the tower's tensor names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Naming {
