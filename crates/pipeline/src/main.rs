@@ -222,6 +222,9 @@ struct RunArgs {
     /// Slots per ring between stages.
     #[arg(long)]
     depth: Option<usize>,
+    /// The vision tower's input size (square), if not its native one.
+    #[arg(long)]
+    image_size: Option<usize>,
     #[arg(long)]
     policy: Option<String>,
     #[arg(long)]
@@ -274,6 +277,7 @@ impl RunArgs {
             max_frames: self.max_frames,
             max_tokens: self.max_tokens,
             depth: self.depth,
+            image_size: self.image_size,
             backpressure: self
                 .backpressure
                 .as_deref()

@@ -103,6 +103,85 @@ impl VisionConfig {
     }
 }
 
+/// How the learned `N x N` position grid serves an image whose patch grid is `n x n`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PositionResampling {
+    /// SmolVLM's own rule (transformers' `Idefics3VisionEmbeddings`): patch `i` of `n` takes
+    /// the position of the bucket its fractional coordinate `i / n` falls in among `N` equal
+    /// buckets (NaViT-style). What SmolVLM does with an image of another size.
+    #[default]
+    Bucket,
+    /// SigLIP's `interpolate_pos_encoding`: the grid resampled bicubically (a = -0.75,
+    /// half-pixel centres, edge clamping), as `torch.nn.functional.interpolate(mode="bicubic",
+    /// align_corners=False)` does it.
+    Bicubic,
+}
+
+/// `torch.arange(start, end, step)` in f32, as torch computes it (size and values in f64).
+fn arange_f32(start: f64, end: f64, step: f64) -> Vec<f32> {
+    let len = ((end - start) / step).ceil().max(0.0) as usize;
+    (0..len).map(|i| (start + i as f64 * step) as f32).collect()
+}
+
+/// [`PositionResampling::Bucket`]: `bucketize(arange(0, 1 - 1e-6, 1/n), arange(1/N, 1, 1/N),
+/// right=True)` per axis, then row-major lookup.
+fn bucket_positions(grid: &[f32], from: usize, to: usize, h: usize) -> Vec<f32> {
+    let boundaries = arange_f32(1.0 / from as f64, 1.0, 1.0 / from as f64);
+    let coords = arange_f32(0.0, 1.0 - 1e-6, 1.0 / to as f64);
+    // right=True: the number of boundaries <= x.
+    let bucket: Vec<usize> = coords
+        .iter()
+        .map(|&x| boundaries.iter().filter(|&&b| b <= x).count().min(from - 1))
+        .collect();
+    let mut out = Vec::with_capacity(to * to * h);
+    for &r in &bucket {
+        for &c in &bucket {
+            let at = (r * from + c) * h;
+            out.extend_from_slice(&grid[at..at + h]);
+        }
+    }
+    out
+}
+
+/// [`PositionResampling::Bicubic`], following torch's `upsample_bicubic2d` (CPU, f32).
+fn bicubic_positions(grid: &[f32], from: usize, to: usize, h: usize) -> Vec<f32> {
+    const A: f32 = -0.75;
+    let conv1 = |x: f32| ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0;
+    let conv2 = |x: f32| ((A * x - 5.0 * A) * x + 8.0 * A) * x - 4.0 * A;
+    let scale = from as f32 / to as f32;
+    // For each output index: the four source indices (clamped) and their weights.
+    let taps: Vec<([usize; 4], [f32; 4])> = (0..to)
+        .map(|o| {
+            let real = scale * (o as f32 + 0.5) - 0.5;
+            let base = real.floor();
+            let t = real - base;
+            let w = [conv2(t + 1.0), conv1(t), conv1(1.0 - t), conv2(2.0 - t)];
+            let idx = std::array::from_fn(|k| {
+                (base as isize - 1 + k as isize).clamp(0, from as isize - 1) as usize
+            });
+            (idx, w)
+        })
+        .collect();
+    let mut out = vec![0f32; to * to * h];
+    for (oy, (ys, wy)) in taps.iter().enumerate() {
+        for (ox, (xs, wx)) in taps.iter().enumerate() {
+            let dst = &mut out[(oy * to + ox) * h..][..h];
+            for d in 0..h {
+                // Along x within each of the four rows, then along y, as torch does.
+                let mut acc = 0f32;
+                for ky in 0..4 {
+                    let row = |kx: usize| grid[(ys[ky] * from + xs[kx]) * h + d];
+                    let along_x = row(0) * wx[0] + row(1) * wx[1] + row(2) * wx[2] + row(3) * wx[3];
+                    acc += along_x * wy[ky];
+                }
+                dst[d] = acc;
+            }
+        }
+    }
+    out
+}
+
+#[derive(Clone)]
 pub(crate) struct Layer {
     pub(crate) ln1: (Vec<f32>, Vec<f32>),
     pub(crate) q: (DenseMatrix, Vec<f32>),
@@ -399,6 +478,45 @@ impl VisionEncoder {
             post_ln: (vec![1.0; h], vec![0.0; h]),
             projection,
             config,
+        })
+    }
+
+    /// The same tower for square images of `image_size` pixels, its learned position grid
+    /// carried to the new patch grid by `how`. The native size returns an identical copy.
+    ///
+    /// # Errors
+    /// [`VisionError::File`] when `image_size` is not a multiple of the patch size or its patch
+    /// grid does not divide by the connector's scale factor.
+    pub fn resized(
+        &self,
+        image_size: usize,
+        how: PositionResampling,
+    ) -> Result<VisionEncoder, VisionError> {
+        let config = VisionConfig {
+            image_size,
+            ..self.config.clone()
+        };
+        config.validate(Path::new("<resized>"))?;
+        let (from, to, h) = (
+            self.config.patches_per_side(),
+            config.patches_per_side(),
+            self.config.hidden,
+        );
+        let positions = if from == to {
+            self.positions.clone()
+        } else {
+            match how {
+                PositionResampling::Bucket => bucket_positions(&self.positions, from, to, h),
+                PositionResampling::Bicubic => bicubic_positions(&self.positions, from, to, h),
+            }
+        };
+        Ok(VisionEncoder {
+            config,
+            patch: self.patch.clone(),
+            positions,
+            layers: self.layers.clone(),
+            post_ln: self.post_ln.clone(),
+            projection: self.projection.clone(),
         })
     }
 

@@ -128,6 +128,37 @@ fn the_mmproj_gguf_loads_the_same_tower() {
     );
 }
 
+/// Images of other sizes than the tower's native 64x64: SmolVLM's bucketed positions against
+/// transformers' SmolVLM vision model (and its connector), and bicubic interpolation against
+/// SigLIP's `interpolate_pos_encoding`, both for a larger (80) and a smaller (48) image.
+#[test]
+fn other_image_sizes_match_transformers_both_ways() {
+    use pipeline::vision::PositionResampling;
+    let text = std::fs::read_to_string(fixture("expected_resized.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let native = VisionEncoder::open(&fixture("hf")).unwrap();
+    for size in [80usize, 48] {
+        let case = &v[size.to_string()];
+        let pixels = floats(case, "pixel_values");
+        let bucket = native.resized(size, PositionResampling::Bucket).unwrap();
+        assert_eq!(bucket.config().image_size, size);
+        let hidden = bucket.vision(&pixels).unwrap();
+        let rel = rel_diff(&hidden, &floats(case, "smolvlm_last_hidden_state"));
+        assert!(rel < 1e-5, "{size}: bucketed tower differs by {rel}");
+        let rel = rel_diff(&bucket.connect(&hidden), &floats(case, "smolvlm_connector"));
+        assert!(rel < 1e-5, "{size}: connector differs by {rel}");
+        let bicubic = native.resized(size, PositionResampling::Bicubic).unwrap();
+        let hidden = bicubic.vision(&pixels).unwrap();
+        let rel = rel_diff(
+            &hidden,
+            &floats(case, "siglip_interpolated_last_hidden_state"),
+        );
+        assert!(rel < 1e-5, "{size}: bicubic tower differs by {rel}");
+    }
+    // A size off the patch grid is an error, not a panic.
+    assert!(native.resized(70, PositionResampling::Bucket).is_err());
+}
+
 /// A truncated or foreign GGUF is an error naming the problem, never a panic.
 #[test]
 fn a_bad_mmproj_is_a_clear_error() {

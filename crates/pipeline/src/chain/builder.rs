@@ -157,6 +157,9 @@ pub struct ChainSpec {
     /// Constrain replies to a JSON schema (a file).
     pub json_schema: Option<PathBuf>,
     pub synthetic: SyntheticTower,
+    /// Run the tower at another square input size than its native one (a multiple of the patch
+    /// size); the position grid follows SmolVLM's own bucketing.
+    pub image_size: Option<usize>,
 }
 
 impl ChainSpec {
@@ -197,7 +200,8 @@ impl ChainSpec {
             repeat_penalty,
             seed,
             regex,
-            json_schema
+            json_schema,
+            image_size
         );
         if other.isp != Placement::Auto {
             self.isp = other.isp;
@@ -342,6 +346,17 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         }
     };
 
+    let vision = match spec.image_size {
+        Some(size) if size != vision.config().image_size => {
+            notes.push(format!(
+                "vision: input {size}x{size} instead of the native {n}x{n} (positions bucketed \
+                 as SmolVLM does)",
+                n = vision.config().image_size
+            ));
+            vision.resized(size, crate::vision::PositionResampling::Bucket)?
+        }
+        _ => vision,
+    };
     let size = vision.config().image_size;
     let matrix = match spec.matrix.as_deref().unwrap_or("bt601") {
         "bt601" => Matrix::Bt601,
