@@ -23,6 +23,8 @@ enum Need {
     Camera,
     Accel,
     Vulkan,
+    /// A Vulkan adapter with cooperative matrices (tensor cores) and f16 shaders.
+    VulkanCoopMatrix,
 }
 
 /// Where a test lives: the package's library tests or an integration-test target.
@@ -137,6 +139,12 @@ const TESTS: &[HardwareTest] = &[
             Need::Vulkan,
         )
     },
+    hw(
+        "pipeline",
+        Target::Test("vision"),
+        "the_coop_matrix_encoder_matches_the_cpu_reference",
+        Need::VulkanCoopMatrix,
+    ),
 ];
 
 /// Whether the discovery `report` shows what `need` asks for; `Err` says why not.
@@ -147,7 +155,7 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
         Need::DrmRenderNode => "drm_render_nodes",
         Need::Camera => "v4l2_devices",
         Need::Accel => "accel_devices",
-        Need::Vulkan => "vulkan",
+        Need::Vulkan | Need::VulkanCoopMatrix => "vulkan",
     };
     let entry = &report[class];
     if entry.get("present").and_then(Value::as_bool) == Some(false) {
@@ -158,6 +166,25 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
                 .and_then(Value::as_str)
                 .unwrap_or("not found")
         ));
+    }
+    if need == Need::VulkanCoopMatrix {
+        let items = entry.get("items").and_then(Value::as_array);
+        let found = items.map_or(0, |items| {
+            items
+                .iter()
+                .filter(|i| {
+                    i["cooperative_matrix"] == Value::Bool(true)
+                        && i["shader_f16"] == Value::Bool(true)
+                })
+                .count()
+        });
+        return if found > 0 {
+            Ok(format!(
+                "vulkan: {found} adapter(s) with cooperative matrices"
+            ))
+        } else {
+            Err("vulkan: no adapter offers cooperative matrices with f16 shaders".into())
+        };
     }
     match entry.get("items").and_then(Value::as_array) {
         Some(items) if items.is_empty() => Err(format!("{class}: none found")),

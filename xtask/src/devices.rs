@@ -135,11 +135,17 @@ fn vulkan_adapters() -> Value {
         .iter()
         .map(|a| {
             let info = a.get_info();
+            let coop = a
+                .features()
+                .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+                && !a.cooperative_matrix_properties().is_empty();
             json!({
                 "name": info.name,
                 "device_type": format!("{:?}", info.device_type),
                 "driver": info.driver,
                 "driver_info": info.driver_info,
+                "shader_f16": a.features().contains(wgpu::Features::SHADER_F16),
+                "cooperative_matrix": coop,
             })
         })
         .collect();

@@ -3,7 +3,7 @@
 //! minimum milliseconds per image over the timed runs, TFLOP/s at the median, and the device.
 //!
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
-//! [small|blocked|register] [per-query|tiled]` (the last two pick the GEMM and attention kernels)
+//! [small|blocked|register|coop] [per-query|tiled]` (the last two pick the GEMM and attention kernels)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -22,6 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gemm = match args.get(4).map_or("small", String::as_str) {
         "blocked" => pipeline::vision_gpu::GemmKernel::Blocked,
         "register" => pipeline::vision_gpu::GemmKernel::Register,
+        "coop" => pipeline::vision_gpu::GemmKernel::Coop,
         _ => pipeline::vision_gpu::GemmKernel::Small,
     };
     let attention = match args.get(5).map_or("tiled", String::as_str) {
@@ -92,11 +93,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             });
             let adapter = pollster::block_on(instance.request_adapter(&Default::default()))?;
             device_name = adapter.get_info().name;
-            let (device, queue) =
-                pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-                    required_limits: adapter.limits(),
-                    ..Default::default()
-                }))?;
+            // The adapter's limits, and its cooperative-matrix features when it has them.
+            let (desc, _) = pipeline::vision_gpu::device_descriptor(&adapter);
+            let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
             let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options)?;
             let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("pixels"),

@@ -26,7 +26,8 @@
 //! Denied at the root; the exceptions are the `mmap` of a model file in [`model`] and of the
 //! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept, and the
 //! single-producer single-consumer slots of [`chain::ring`], whose exclusive access the
-//! timelines order.
+//! timelines order, and the token that enables wgpu's experimental cooperative matrices in
+//! [`vision_gpu::device_descriptor`].
 
 #![deny(unsafe_code)]
 
@@ -37,6 +38,7 @@ pub mod llm;
 pub mod model;
 pub mod mxcache;
 pub mod vision;
+#[allow(unsafe_code)]
 pub mod vision_gpu;
 
 /// The README's example, compiled as a doctest so it cannot rot (`no_run`: it needs the model).

@@ -30,7 +30,12 @@ pub enum GpuVisionError {
         bytes: u64,
         limit: u64,
     },
+    #[error("{0}")]
+    Unsupported(&'static str),
 }
+
+/// A weight matrix on the device: f32, and f16 when the coop GEMM runs.
+type Weight = (wgpu::Buffer, Option<wgpu::Buffer>);
 
 struct Dispatch {
     pipeline: usize,
@@ -74,6 +79,12 @@ const SHUFFLE: usize = 5;
 const ATTENTION_TILED: usize = 6;
 const LINEAR_SMALL: usize = 7;
 const LINEAR_REG: usize = 8;
+// Present only when the device runs the cooperative-matrix module (`GemmKernel::Coop`).
+const TO_F16: usize = 9;
+const LINEAR_COOP: usize = 10;
+
+/// The tensor-core kernels (vit_coop.wgsl).
+const COOP_SHADER: &str = include_str!("shaders/vit_coop.wgsl");
 
 /// Which GEMM kernel the linear layers use.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -89,6 +100,23 @@ pub enum GemmKernel {
     /// the buffers as vec4s: no workgroup memory, no barriers (k must be a multiple of 4, else
     /// `Small` runs). The fastest on lavapipe, where a barrier costs a context switch.
     Register,
+    /// Cooperative matrices (tensor cores): f16 inputs, f32 accumulation, 16x16x16 tiles, a
+    /// 32x32 block per subgroup. Needs a device opened with [`coop_features`]; GEMMs whose
+    /// sizes are not multiples of 32 (m, n) and 16 (k) run `Small`.
+    Coop,
+}
+
+/// The device features the cooperative-matrix GEMM needs, if `adapter` offers them (and a
+/// 16x16x16 f16 x f16 -> f32 configuration): request them when opening the device, with
+/// experimental features enabled.
+pub fn coop_features(adapter: &wgpu::Adapter) -> Option<wgpu::Features> {
+    let wanted = wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+    let shape = adapter.cooperative_matrix_properties().iter().any(|p| {
+        (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+            && p.ab_type == wgpu::CooperativeScalarType::F16
+            && p.cr_type == wgpu::CooperativeScalarType::F32
+    });
+    (adapter.features().contains(wanted) && shape).then_some(wanted)
 }
 
 impl GemmKernel {
@@ -98,7 +126,7 @@ impl GemmKernel {
             GemmKernel::Small => (LINEAR_SMALL, 16),
             GemmKernel::Blocked => (LINEAR, 64),
             GemmKernel::Register if k.is_multiple_of(4) => (LINEAR_REG, 32),
-            GemmKernel::Register => (LINEAR_SMALL, 16),
+            GemmKernel::Register | GemmKernel::Coop => (LINEAR_SMALL, 16),
         }
     }
 }
@@ -119,6 +147,29 @@ pub enum AttentionKernel {
 pub struct GpuVisionOptions {
     pub gemm: GemmKernel,
     pub attention: AttentionKernel,
+}
+
+/// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, plus
+/// the cooperative-matrix features ([`coop_features`]) when it offers them; and the kernels
+/// measured fastest there ([`GpuVisionOptions::for_adapter`], `Coop` GEMMs with the features).
+pub fn device_descriptor(
+    adapter: &wgpu::Adapter,
+) -> (wgpu::DeviceDescriptor<'static>, GpuVisionOptions) {
+    let mut options = GpuVisionOptions::for_adapter(&adapter.get_info());
+    let mut desc = wgpu::DeviceDescriptor {
+        label: Some("vision encoder"),
+        required_limits: adapter.limits(),
+        ..Default::default()
+    };
+    if let Some(features) = coop_features(adapter) {
+        desc.required_features |= features;
+        // SAFETY: the token only acknowledges that wgpu's experimental features may have bugs.
+        // The one experimental feature requested, cooperative matrices, is used by one kernel
+        // (vit_coop.wgsl), which tests hold to the CPU reference on the devices that offer it.
+        desc.experimental_features = unsafe { wgpu::ExperimentalFeatures::enabled() };
+        options.gemm = GemmKernel::Coop;
+    }
+    (desc, options)
 }
 
 impl GpuVisionOptions {
@@ -208,7 +259,18 @@ impl GpuVisionEncoder {
             label: Some("vit"),
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
-        let pipelines: Vec<wgpu::ComputePipeline> = [
+        let coop = options.gemm == GemmKernel::Coop;
+        if coop
+            && !device.features().contains(
+                wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
+            )
+        {
+            return Err(GpuVisionError::Unsupported(
+                "the cooperative-matrix GEMM needs a device opened with SHADER_F16 and \
+                 EXPERIMENTAL_COOPERATIVE_MATRIX (see vision_gpu::coop_features)",
+            ));
+        }
+        let mut pipelines: Vec<wgpu::ComputePipeline> = [
             "linear",
             "layer_norm",
             "attention",
@@ -231,6 +293,25 @@ impl GpuVisionEncoder {
             })
         })
         .collect();
+        if coop {
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some("vit coop"),
+                source: wgpu::ShaderSource::Wgsl(COOP_SHADER.into()),
+            });
+            for entry in ["to_f16", "linear_coop"] {
+                pipelines.push(
+                    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                        label: Some(entry),
+                        layout: None,
+                        module: &module,
+                        entry_point: Some(entry),
+                        compilation_options: Default::default(),
+                        cache: None,
+                    }),
+                );
+            }
+        }
+        let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(label),
@@ -274,16 +355,62 @@ impl GpuVisionEncoder {
         let tokens = c.image_tokens();
         let shuffled = scratch("shuffled", tokens * h * f2);
         let mut body = Vec::new();
+        // The f16 copy of a GEMM's input (coop only): as large as the largest GEMM input.
+        let x16 = coop.then(|| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("gemm input f16"),
+                size: ((n * c.intermediate.max(pp).max(h)).max(1) * 2).next_multiple_of(4) as u64,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            })
+        });
+        // A weight matrix: f32 for the f32 kernels, plus f16 for the coop kernel.
+        let weight = |label: &str, m: &npu_hal::DenseMatrix| -> Weight {
+            let w16 = coop.then(|| {
+                let bits: Vec<u16> = m
+                    .data()
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v).to_bits())
+                    .collect();
+                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents: bytemuck::cast_slice(&bits),
+                    usage: wgpu::BufferUsages::STORAGE,
+                })
+            });
+            (upload(label, m.data()), w16)
+        };
         // Patch projection and positions (the im2col that feeds it is recorded per image).
         let linear = |body: &mut Vec<Dispatch>,
                       x: &wgpu::Buffer,
-                      w: &wgpu::Buffer,
+                      (w, w16): &Weight,
                       b: Option<&wgpu::Buffer>,
                       y: &wgpu::Buffer,
                       (m, nn, kk): (usize, usize, usize),
                       flags: u32| {
             let flags = flags | u32::from(b.is_some());
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
+            if let (Some(w16), Some(x16)) = (w16, &x16)
+                && m.is_multiple_of(32)
+                && nn.is_multiple_of(32)
+                && kk.is_multiple_of(16)
+            {
+                let len = uniform(&[(m * kk) as u32, 0, 0, 0]);
+                body.push(Dispatch {
+                    pipeline: TO_F16,
+                    bind: bind(TO_F16, &[x, x16, &len]),
+                    groups: groups_1d((m * kk) as u32),
+                });
+                body.push(Dispatch {
+                    pipeline: LINEAR_COOP,
+                    bind: bind(
+                        LINEAR_COOP,
+                        &[x16, w16, b.unwrap_or(&dummy_bias), y, &params],
+                    ),
+                    groups: ((nn / 32) as u32, (m / 32) as u32, 1),
+                });
+                return;
+            }
             let (pipeline, tile) = options.gemm.pipeline_for(kk);
             body.push(Dispatch {
                 pipeline,
@@ -291,7 +418,7 @@ impl GpuVisionEncoder {
                 groups: ((nn as u32).div_ceil(tile), (m as u32).div_ceil(tile), 1),
             });
         };
-        let w_patch = upload("patch w", cpu.patch.0.data());
+        let w_patch = weight("patch w", &cpu.patch.0);
         let b_patch = upload("patch b", &cpu.patch.1);
         linear(
             &mut body,
@@ -336,7 +463,7 @@ impl GpuVisionEncoder {
             let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
             let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
             let lin = |name: &str, (w, b): &(npu_hal::DenseMatrix, Vec<f32>)| {
-                (up(name, w.data()), up(name, b))
+                (weight(&format!("layer {i} {name}"), w), up(name, b))
             };
             let (qw, qb) = lin("q", &l.q);
             let (kw, kb) = lin("k", &l.k);

@@ -106,6 +106,77 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
     assert!(rel_diff(&plain, last) > 1e-3);
 }
 
+/// The tensor-core path (cooperative matrices, f16 inputs, f32 accumulation) against the CPU
+/// reference, on a tower whose GEMMs all take it (every m, n a multiple of 32, k of 16). Runs
+/// under `cargo xtask device-test` where an adapter offers cooperative matrices; lavapipe does
+/// not, so it is ignored (never a pass) elsewhere.
+#[test]
+#[ignore = "hardware: needs a Vulkan adapter with cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 f16) and f16 shaders"]
+fn the_coop_matrix_encoder_matches_the_cpu_reference() {
+    use std::sync::Arc;
+    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
+    use uvm_alloc::{Access, Allocator, AllocatorDesc};
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let adapter = pollster::block_on(instance.request_adapter(&Default::default())).unwrap();
+    assert!(
+        pipeline::vision_gpu::coop_features(&adapter).is_some(),
+        "{} offers no cooperative matrices",
+        adapter.get_info().name
+    );
+    let (desc, options) = pipeline::vision_gpu::device_descriptor(&adapter);
+    assert_eq!(options.gemm, pipeline::vision_gpu::GemmKernel::Coop);
+    let (device, queue, caps) = open_wgpu_device(&adapter, &desc).unwrap();
+    let config = pipeline::vision::VisionConfig {
+        image_size: 128,
+        patch_size: 16,
+        hidden: 128,
+        intermediate: 512,
+        layers: 2,
+        heads: 2,
+        layer_norm_eps: 1e-6,
+        scale_factor: 2,
+        text_hidden: 96,
+    };
+    let cpu = VisionEncoder::random(config, 5).unwrap();
+    let pixels: Vec<f32> = (0..3 * 128 * 128)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
+        .collect();
+    let want = cpu.encode(&pixels).unwrap();
+    let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options).unwrap();
+    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
+    let input = allocator.allocate(pixels.len() * 4).unwrap();
+    input
+        .cpu_access(0..pixels.len() * 4, Access::Write)
+        .unwrap()
+        .typed_mut::<f32>()
+        .unwrap()
+        .copy_from_slice(&pixels);
+    let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
+    let usage = wgpu::BufferUsages::STORAGE;
+    let input_gpu = import_wgpu_buffer(&device, &caps, Arc::new(input), usage, None).unwrap();
+    let output_gpu = import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None).unwrap();
+    let mut encoder = device.create_command_encoder(&Default::default());
+    gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+    queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
+    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    let got = output
+        .cpu_access(0..gpu.output_bytes() as usize, Access::Read)
+        .unwrap()
+        .typed::<f32>()
+        .unwrap()
+        .to_vec();
+    let rel = rel_diff(&got, &want);
+    eprintln!("coop encoder vs CPU reference: {rel} relative");
+    // f16 inputs to every GEMM (11-bit mantissas), f32 accumulation.
+    assert!(
+        rel < 2e-2,
+        "coop encoder differs from the CPU reference by {rel}"
+    );
+}
+
 /// The same tower from llama.cpp's mmproj GGUF (CLIP names, f16 matrices; made by
 /// make_mmproj.py with gguf-py's own tensor map): the same config, and the connector output of
 /// transformers within f16 weight rounding.

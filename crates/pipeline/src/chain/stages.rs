@@ -105,13 +105,13 @@ impl GpuContext {
                 )
             })?;
         let info = adapter.get_info();
-        let (device, queue, caps) =
-            uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default())?;
+        let (desc, vision_options) = crate::vision_gpu::device_descriptor(&adapter);
+        let (device, queue, caps) = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc)?;
         Ok(GpuContext {
             device,
             queue,
             caps,
-            vision_options: crate::vision_gpu::GpuVisionOptions::for_adapter(&info),
+            vision_options,
             adapter: info.name,
         })
     }
