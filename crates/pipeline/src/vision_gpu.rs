@@ -82,6 +82,7 @@ const LINEAR_REG: usize = 8;
 // Present only when the device runs the cooperative-matrix module (`GemmKernel::Coop`).
 const TO_F16: usize = 9;
 const LINEAR_COOP: usize = 10;
+const ATTENTION_COOP: usize = 11;
 
 /// The tensor-core kernels (vit_coop.wgsl).
 const COOP_SHADER: &str = include_str!("shaders/vit_coop.wgsl");
@@ -102,7 +103,9 @@ pub enum GemmKernel {
     Register,
     /// Cooperative matrices (tensor cores): f16 inputs, f32 accumulation, 16x16x16 tiles, a
     /// 32x32 block per subgroup. Needs a device opened with [`coop_features`]; GEMMs whose
-    /// sizes are not multiples of 32 (m, n) and 16 (k) run `Small`.
+    /// sizes are not multiples of 32 (m, n) and 16 (k) run `Small`. Attention then also runs
+    /// on tensor cores (FlashAttention-style, `attention_coop`) when the patch count is a
+    /// multiple of 64 and head_dim a multiple of 16 up to 64.
     Coop,
 }
 
@@ -298,7 +301,7 @@ impl GpuVisionEncoder {
                 label: Some("vit coop"),
                 source: wgpu::ShaderSource::Wgsl(COOP_SHADER.into()),
             });
-            for entry in ["to_f16", "linear_coop"] {
+            for entry in ["to_f16", "linear_coop", "attention_coop"] {
                 pipelines.push(
                     device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                         label: Some(entry),
@@ -458,6 +461,20 @@ impl GpuVisionEncoder {
             0,
             0,
         ]);
+        // Tensor-core attention takes f16 copies of q, k and v.
+        let coop_attention = coop && n.is_multiple_of(64) && hd.is_multiple_of(16) && hd <= 64;
+        let qkv16 = coop_attention.then(|| {
+            let half = |label: &str| {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size: ((n * h).max(2) * 2).next_multiple_of(4) as u64,
+                    usage: wgpu::BufferUsages::STORAGE,
+                    mapped_at_creation: false,
+                })
+            };
+            (half("q f16"), half("k f16"), half("v f16"))
+        });
+        let half_len = uniform(&[(n * h) as u32, 0, 0, 0]);
         for (i, l) in cpu.layers.iter().enumerate() {
             let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
             let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
@@ -475,20 +492,35 @@ impl GpuVisionEncoder {
             linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
             linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), 0);
             linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), 0);
-            // The tiled kernel keeps 16 x head_dim of Q, K and V in workgroup memory: up to 64.
-            body.push(if hd <= 64 && options.attention == AttentionKernel::Tiled {
-                Dispatch {
-                    pipeline: ATTENTION_TILED,
-                    bind: bind(ATTENTION_TILED, &[&q, &k, &v, &a, &attn_params]),
-                    groups: ((n as u32).div_ceil(16), c.heads as u32, 1),
+            if let Some((q16, k16, v16)) = &qkv16 {
+                for (src, dst) in [(&q, q16), (&k, k16), (&v, v16)] {
+                    body.push(Dispatch {
+                        pipeline: TO_F16,
+                        bind: bind(TO_F16, &[src, dst, &half_len]),
+                        groups: groups_1d((n * h) as u32),
+                    });
                 }
+                body.push(Dispatch {
+                    pipeline: ATTENTION_COOP,
+                    bind: bind(ATTENTION_COOP, &[q16, k16, v16, &a, &attn_params]),
+                    groups: ((n / 16) as u32, c.heads as u32, 1),
+                });
             } else {
-                Dispatch {
-                    pipeline: ATTENTION,
-                    bind: bind(ATTENTION, &[&q, &k, &v, &a, &attn_params]),
-                    groups: ((n as u32).div_ceil(64), c.heads as u32, 1),
-                }
-            });
+                // The tiled kernel keeps 16 x head_dim of Q, K and V in workgroup memory: up to 64.
+                body.push(if hd <= 64 && options.attention == AttentionKernel::Tiled {
+                    Dispatch {
+                        pipeline: ATTENTION_TILED,
+                        bind: bind(ATTENTION_TILED, &[&q, &k, &v, &a, &attn_params]),
+                        groups: ((n as u32).div_ceil(16), c.heads as u32, 1),
+                    }
+                } else {
+                    Dispatch {
+                        pipeline: ATTENTION,
+                        bind: bind(ATTENTION, &[&q, &k, &v, &a, &attn_params]),
+                        groups: ((n as u32).div_ceil(64), c.heads as u32, 1),
+                    }
+                });
+            }
             linear(&mut body, &a, &ow, Some(&ob), &x, (n, h, h), 4);
             norm(&mut body, &x, (&ln2w, &ln2b), &xn);
             linear(

@@ -80,3 +80,117 @@ fn to_f16(@builtin(global_invocation_id) gid: vec3<u32>) {
         cv_out[i] = f16(cv_in[i]);
     }
 }
+
+// FlashAttention on tensor cores: one subgroup per 16 queries of one head. Key blocks of 64:
+// S = Q K^T as 4 coop tiles (f16 in, f32 out) into workgroup memory, an online softmax per query
+// row in f32 (running max and sum, as the f32 kernel does), P rounded to f16, and P V as coop
+// tiles added into the f32 output accumulator after rescaling. The score matrix never exists
+// beyond one 16 x 64 block. n must be a multiple of 64, head_dim of 16 and at most 64.
+struct AttnParams { n: u32, heads: u32, hd: u32, h: u32, scale: f32, p0: u32, p1: u32, p2: u32 };
+
+@group(0) @binding(0) var<storage, read> q16: array<f16>;
+@group(0) @binding(1) var<storage, read> k16: array<f16>;
+@group(0) @binding(2) var<storage, read> v16: array<f16>;
+@group(0) @binding(3) var<storage, read_write> att_out: array<f32>;
+@group(0) @binding(4) var<uniform> ap: AttnParams;
+
+var<workgroup> s_ws: array<f32, 1024>; // 16 x 64 scores, then 16 x 64 of P V (stride 64)
+var<workgroup> p_ws: array<f16, 1024>; // 16 x 64 probabilities
+var<workgroup> o_ws: array<f32, 1024>; // 16 x 64 output accumulator (stride 64)
+var<workgroup> z_ws: array<f32, 256>;  // never written: zero accumulators load from here
+var<workgroup> m_ws: array<f32, 16>;
+var<workgroup> l_ws: array<f32, 16>;
+var<workgroup> a_ws: array<f32, 16>;
+
+// P V for the 16-wide column tile `dt` of the head: the four 16-key slices of P (already
+// loaded) times the matching rows of V.
+fn pv_tile(p0: coop_mat16x16<f16, A>, p1: coop_mat16x16<f16, A>, p2: coop_mat16x16<f16, A>,
+           p3: coop_mat16x16<f16, A>, v0: u32) -> coop_mat16x16<f32, C> {
+    let h = ap.h;
+    var acc = coopLoadT<coop_mat16x16<f32, C>>(&z_ws[0], 16u);
+    acc = coopMultiplyAdd(p0, coopLoadT<coop_mat16x16<f16, B>>(&v16[v0], h), acc);
+    acc = coopMultiplyAdd(p1, coopLoadT<coop_mat16x16<f16, B>>(&v16[v0 + 16u * h], h), acc);
+    acc = coopMultiplyAdd(p2, coopLoadT<coop_mat16x16<f16, B>>(&v16[v0 + 32u * h], h), acc);
+    acc = coopMultiplyAdd(p3, coopLoadT<coop_mat16x16<f16, B>>(&v16[v0 + 48u * h], h), acc);
+    return acc;
+}
+
+// Coop loads and stores into workgroup arrays use constant offsets only (naga 30's SPIR-V
+// writer cannot bounds-restrict a dynamic index there), hence the unrolled tiles below.
+@compute @workgroup_size(32, 1, 1)
+fn attention_coop(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let q0 = wid.x * 16u;
+    let h = ap.h;
+    let hd = ap.hd;
+    let col = wid.y * hd;
+    if (lid < 16u) {
+        m_ws[lid] = -3.0e38;
+        l_ws[lid] = 0.0;
+    }
+    for (var i = lid; i < 1024u; i += 32u) {
+        o_ws[i] = 0.0;
+    }
+    workgroupBarrier();
+    for (var j0 = 0u; j0 < ap.n; j0 += 64u) {
+        var s0 = coopLoadT<coop_mat16x16<f32, C>>(&z_ws[0], 16u);
+        var s1 = s0;
+        var s2 = s0;
+        var s3 = s0;
+        for (var d0 = 0u; d0 < hd; d0 += 16u) {
+            let a = coopLoadT<coop_mat16x16<f16, A>>(&q16[q0 * h + col + d0], h);
+            let kb = j0 * h + col + d0;
+            s0 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&k16[kb], h), s0);
+            s1 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&k16[kb + 16u * h], h), s1);
+            s2 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&k16[kb + 32u * h], h), s2);
+            s3 = coopMultiplyAdd(a, coopLoad<coop_mat16x16<f16, B>>(&k16[kb + 48u * h], h), s3);
+        }
+        coopStoreT(s0, &s_ws[0], 64u);
+        coopStoreT(s1, &s_ws[16], 64u);
+        coopStoreT(s2, &s_ws[32], 64u);
+        coopStoreT(s3, &s_ws[48], 64u);
+        workgroupBarrier();
+        if (lid < 16u) {
+            let r = lid;
+            var mx = m_ws[r];
+            for (var j = 0u; j < 64u; j++) {
+                mx = max(mx, s_ws[r * 64u + j] * ap.scale);
+            }
+            var sum = 0.0;
+            for (var j = 0u; j < 64u; j++) {
+                let p = exp(s_ws[r * 64u + j] * ap.scale - mx);
+                sum += p;
+                p_ws[r * 64u + j] = f16(p);
+            }
+            let alpha = exp(m_ws[r] - mx);
+            a_ws[r] = alpha;
+            l_ws[r] = l_ws[r] * alpha + sum;
+            m_ws[r] = mx;
+        }
+        workgroupBarrier();
+        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[0], 64u);
+        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[16], 64u);
+        let p2 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[32], 64u);
+        let p3 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[48], 64u);
+        let v0 = j0 * h + col;
+        coopStoreT(pv_tile(p0, p1, p2, p3, v0), &s_ws[0], 64u);
+        if (hd > 16u) {
+            coopStoreT(pv_tile(p0, p1, p2, p3, v0 + 16u), &s_ws[16], 64u);
+        }
+        if (hd > 32u) {
+            coopStoreT(pv_tile(p0, p1, p2, p3, v0 + 32u), &s_ws[32], 64u);
+        }
+        if (hd > 48u) {
+            coopStoreT(pv_tile(p0, p1, p2, p3, v0 + 48u), &s_ws[48], 64u);
+        }
+        workgroupBarrier();
+        for (var i = lid; i < 1024u; i += 32u) {
+            o_ws[i] = o_ws[i] * a_ws[i / 64u] + s_ws[i];
+        }
+        workgroupBarrier();
+    }
+    for (var i = lid; i < 16u * hd; i += 32u) {
+        let r = i / hd;
+        let d = i % hd;
+        att_out[(q0 + r) * h + col + d] = o_ws[r * 64u + d] / l_ws[r];
+    }
+}
