@@ -577,7 +577,7 @@ mod kv {
 
 mod isp {
     //! isp-v4l2: the fused pass from a 1920x1080 NV12 frame to a normalised f32 tensor of
-    //! 512x512 (SmolVLM's input) and 224x224, one thread (the scalar reference today).
+    //! 512x512 (SmolVLM's input) and 224x224, one thread (swscale's bilinear, separable; no explicit SIMD yet).
 
     use std::hint::black_box;
     use std::time::Duration;

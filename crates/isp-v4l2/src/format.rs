@@ -147,11 +147,6 @@ impl Sampler {
         }
     }
 
-    /// Bytes per row of the first plane.
-    pub(crate) fn luma_stride(&self) -> usize {
-        self.p[0].stride
-    }
-
     /// See [`FrameDesc::yuv_at`].
     #[inline(always)]
     pub(crate) fn yuv(&self, bytes: &[u8], x: usize, y: usize) -> Option<(u8, u8, u8)> {
@@ -179,15 +174,5 @@ impl Sampler {
             }
             PixelFormat::Rgb24 => return None,
         })
-    }
-
-    /// The R, G, B samples at `(x, y)` of an RGB24 frame (`None` for YUV layouts).
-    #[inline(always)]
-    pub(crate) fn rgb(&self, bytes: &[u8], x: usize, y: usize) -> Option<[u8; 3]> {
-        if self.format != PixelFormat::Rgb24 {
-            return None;
-        }
-        let o = y * self.p[0].stride + 3 * x;
-        Some([bytes[o], bytes[o + 1], bytes[o + 2]])
     }
 }

@@ -1,6 +1,6 @@
 //! The fused ISP pass as a WGSL compute shader ([`ISP_WGSL`]) and the uniform block that drives
-//! it ([`GpuParams`]). The crate stays free of any GPU dependency: a caller with a wgpu (or any
-//! WebGPU) device binds the frame's unified buffer (imported as-is, e.g. through uvm-alloc's
+//! it ([`GpuParams`]), writing f32 or packed f16 ([`Elem`]). The crate stays free of any GPU
+//! dependency: a caller with a wgpu (or any WebGPU) device binds the frame's unified buffer (imported as-is, e.g. through uvm-alloc's
 //! wgpu import) at binding 0, the output tensor at binding 1 and the parameters at binding 2,
 //! and dispatches [`GpuParams::workgroups`]. The shader is the CPU reference in [`crate::isp`],
 //! operation for operation; `tests/gpu_isp.rs` holds it to that reference on a real Vulkan
@@ -8,7 +8,7 @@
 
 use crate::Error;
 use crate::format::{FrameDesc, PixelFormat};
-use crate::isp::{Coefficients, Layout, Preprocess, Resize};
+use crate::isp::{Axis, Coefficients, Layout, Preprocess, Resize, chroma_crop};
 
 /// The WGSL source; entry point `main`, workgroup 8x8.
 pub const ISP_WGSL: &str = include_str!("shaders/isp.wgsl");
@@ -16,8 +16,35 @@ pub const ISP_WGSL: &str = include_str!("shaders/isp.wgsl");
 /// The shader's workgroup size (x, y).
 pub const WORKGROUP: (u32, u32) = (8, 8);
 
+/// The element type the shader writes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Elem {
+    /// 32-bit floats, one per value.
+    #[default]
+    F32,
+    /// IEEE half floats, packed two per 32-bit word with `pack2x16float` (no `SHADER_F16`
+    /// feature needed): each invocation writes two horizontally adjacent pixels, so the output
+    /// width must be even.
+    F16,
+}
+
+impl Elem {
+    /// Bytes per value.
+    pub fn size(self) -> u64 {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 => 2,
+        }
+    }
+}
+
 /// The shader's `Params` uniform, byte for byte (std140-compatible: 16-byte multiple, vec4s at
 /// 16-byte offsets).
+///
+/// The four resize axes are, in order, luma x, luma y, chroma x and chroma y (chroma at the
+/// chroma plane's own resolution; equal to luma for 4:4:4 and RGB24). Per axis, `inc` is
+/// swscale's 16.16 step, `taps` its window size and `mode` its construction (0 windowed, 1
+/// linear, 2 unscaled), the numbers the CPU reference builds its tap lists from.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GpuParams {
@@ -44,33 +71,90 @@ pub struct GpuParams {
     pub g_cb: f32,
     pub g_cr: f32,
     pub b_cb: f32,
-    pub sx: f32,
-    pub sy: f32,
-    pub pad: [u32; 3],
+    /// 1 when the output is f16 ([`Elem::F16`]).
+    pub out_f16: u32,
+    /// The crop in the chroma plane's samples ([`crate::isp`]'s chroma rectangle).
+    pub chr_x: u32,
+    pub chr_y: u32,
+    pub chr_w: u32,
+    pub chr_h: u32,
+    pub inc: [i32; 4],
+    pub taps: [i32; 4],
+    pub mode: [u32; 4],
     pub scale: [f32; 4],
     pub bias: [f32; 4],
 }
 
-const _: () = assert!(size_of::<GpuParams>() == 144);
-const _: () = assert!(std::mem::offset_of!(GpuParams, scale) == 112);
-const _: () = assert!(std::mem::offset_of!(GpuParams, bias) == 128);
+const _: () = assert!(size_of::<GpuParams>() == 192);
+const _: () = assert!(size_of::<GpuParams>().is_multiple_of(16));
+const _: () = assert!(std::mem::offset_of!(GpuParams, out_f16) == 92);
+const _: () = assert!(std::mem::offset_of!(GpuParams, chr_x) == 96);
+const _: () = assert!(std::mem::offset_of!(GpuParams, inc) == 112);
+const _: () = assert!(std::mem::offset_of!(GpuParams, taps) == 128);
+const _: () = assert!(std::mem::offset_of!(GpuParams, mode) == 144);
+const _: () = assert!(std::mem::offset_of!(GpuParams, scale) == 160);
+const _: () = assert!(std::mem::offset_of!(GpuParams, bias) == 176);
 
 impl GpuParams {
-    /// The parameters of `p` over frames shaped `desc`, validated as [`crate::isp::preprocess`]
-    /// validates them (crop inside the frame, non-zero output, sizes that fit the shader's u32
-    /// byte addressing).
+    /// The parameters of `p` over frames shaped `desc` with f32 output; see
+    /// [`GpuParams::with_elem`].
     pub fn new(desc: &FrameDesc, p: &Preprocess) -> Result<GpuParams, Error> {
+        GpuParams::with_elem(desc, p, Elem::F32)
+    }
+
+    /// The parameters of `p` over frames shaped `desc`, writing `elem`, validated as
+    /// [`crate::isp::preprocess`] validates them (crop inside the frame, non-zero output) and
+    /// for the shader: sizes that fit its u32 byte addressing and its i32 filter positions, and
+    /// an even output width for f16.
+    pub fn with_elem(desc: &FrameDesc, p: &Preprocess, elem: Elem) -> Result<GpuParams, Error> {
         let crop = p.checked_crop(desc)?;
+        if elem == Elem::F16 && !p.width.is_multiple_of(2) {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "f16 output packs two pixels per 32-bit word and needs an even width, got {}",
+                    p.width
+                ),
+            });
+        }
         let u = |v: usize, what: &str| {
             u32::try_from(v).map_err(|_| Error::BadFrame {
                 what: format!("{what} {v} does not fit the GPU pass's 32-bit addressing"),
             })
         };
         u(desc.byte_len(), "frame bytes")?;
-        u(3 * p.width * p.height, "output values")?;
+        u(3 * p.width * p.height * 4, "output bytes")?;
         let planes = desc.planes();
         let plane = |i: usize| planes.get(i).copied();
         let c = Coefficients::new(p.matrix, p.range);
+        let cc = chroma_crop(desc.format, crop);
+        let axes = [
+            Axis::new(p.resize, crop.width, p.width),
+            Axis::new(p.resize, crop.height, p.height),
+            Axis::new(p.resize, cc.width, p.width),
+            Axis::new(p.resize, cc.height, p.height),
+        ];
+        // The shader places windows with i32 arithmetic on `(2 * out + 1) * inc` and the first
+        // tap times 2^17.
+        let mut inc = [0i32; 4];
+        let mut taps = [0i32; 4];
+        for (i, (a, dst)) in axes
+            .iter()
+            .zip([p.width, p.height, p.width, p.height])
+            .enumerate()
+        {
+            let reach = (2 * dst as i64 + 1) * a.inc + 0x20000;
+            let src = [crop.width, crop.height, cc.width, cc.height][i] as i64;
+            if reach > i64::from(i32::MAX) || (src + 1) * 0x20000 > i64::from(i32::MAX) {
+                return Err(Error::BadFrame {
+                    what: format!(
+                        "resize {src} -> {dst} does not fit the GPU pass's 32-bit filter positions \
+                         (at most 16383 source samples per axis)"
+                    ),
+                });
+            }
+            inc[i] = a.inc as i32;
+            taps[i] = a.size as i32;
+        }
         Ok(GpuParams {
             format: match desc.format {
                 PixelFormat::Nv12 => 0,
@@ -108,9 +192,14 @@ impl GpuParams {
             g_cb: c.g_cb,
             g_cr: c.g_cr,
             b_cb: c.b_cb,
-            sx: crop.width as f32 / p.width as f32,
-            sy: crop.height as f32 / p.height as f32,
-            pad: [0; 3],
+            out_f16: u32::from(elem == Elem::F16),
+            chr_x: u(cc.x, "crop")?,
+            chr_y: u(cc.y, "crop")?,
+            chr_w: u(cc.width, "crop")?,
+            chr_h: u(cc.height, "crop")?,
+            inc,
+            taps,
+            mode: axes.map(|a| a.mode as u32),
             scale: [
                 1.0 / (255.0 * p.std[0]),
                 1.0 / (255.0 * p.std[1]),
@@ -126,17 +215,28 @@ impl GpuParams {
         })
     }
 
-    /// Workgroups to dispatch: `(ceil(out_w / 8), ceil(out_h / 8), 1)`.
+    /// Workgroups to dispatch: `(ceil(out_w / 8), ceil(out_h / 8), 1)`, or
+    /// `(ceil(out_w / 16), ...)` for f16, where each invocation writes two pixels.
     pub fn workgroups(&self) -> (u32, u32, u32) {
+        let per_invocation = if self.out_f16 != 0 { 2 } else { 1 };
         (
-            self.out_w.div_ceil(WORKGROUP.0),
+            (self.out_w / per_invocation).div_ceil(WORKGROUP.0),
             self.out_h.div_ceil(WORKGROUP.1),
             1,
         )
     }
 
-    /// Bytes of the f32 output tensor.
+    /// The element type written.
+    pub fn elem(&self) -> Elem {
+        if self.out_f16 != 0 {
+            Elem::F16
+        } else {
+            Elem::F32
+        }
+    }
+
+    /// Bytes of the output tensor (`3 * out_w * out_h` values of [`GpuParams::elem`]).
     pub fn output_bytes(&self) -> u64 {
-        3 * u64::from(self.out_w) * u64::from(self.out_h) * 4
+        3 * u64::from(self.out_w) * u64::from(self.out_h) * self.elem().size()
     }
 }

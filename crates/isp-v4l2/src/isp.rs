@@ -1,12 +1,23 @@
 //! The CPU ISP: YUV to RGB with BT.601 or BT.709 in limited or full range, crop, resize
-//! (bilinear or area) and mean/std normalisation, fused into one pass from the camera frame to
-//! the model's input tensor (f32 or f16, CHW or HWC). No full-resolution RGB image is ever made:
-//! each output pixel converts only the source pixels it samples.
+//! (swscale's bilinear or area filters) and mean/std normalisation, fused into one pass from the
+//! camera frame to the model's input tensor (f32 or f16, CHW or HWC). No full-resolution RGB
+//! image is ever made: each channel is filtered on its own plane, separably (the source rows an
+//! output row needs, vertically, into one row per channel; then horizontally per output pixel),
+//! and converted once per output pixel.
 //!
-//! This is the scalar reference; SIMD and WGSL variants are to be tested against it.
+//! Resizes follow ffmpeg's swscale (`libswscale/utils.c`, `initFilter`, FFmpeg 5.1) so the
+//! output agrees with `scale=flags=bilinear|area+accurate_rnd+full_chroma_int` within 1 LSB on
+//! 8-bit output (`tests/ffmpeg_agreement.rs`): the same 16.16 step and window placement, the same
+//! weights, taps past the edge folded onto the edge sample, weights normalised per output (in
+//! float where swscale uses 14-bit integers with error diffusion, and without swscale's
+//! trimming of windows' near-zero ends, both well under 1 LSB), chroma at its own resolution
+//! with swscale's default centre siting (chroma sample `j` at luma position `2j + 0.5`).
+//!
+//! This is the reference the WGSL pass ([`crate::gpu`]) is tested against.
 
 use crate::Error;
-use crate::format::{FrameDesc, Sampler};
+use crate::PixelFormat;
+use crate::format::FrameDesc;
 
 /// YUV -> RGB matrix.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -83,13 +94,19 @@ impl Coefficients {
     }
 }
 
-/// How the image is scaled to the output size.
+/// How the image is scaled to the output size: swscale's filters of the same names (pixel
+/// centres aligned, each channel filtered at its own plane's resolution, edges clamped).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Resize {
-    /// Bilinear between the four nearest source pixels (pixel centres aligned).
+    /// swscale's `SWS_BILINEAR`: a tent filter. Enlarging, it is textbook bilinear (two source
+    /// pixels per axis). Shrinking, it is area-aware like swscale's and PIL's: the tent spans one
+    /// *output* pixel each side (weight `1 - d * dst / src` at source distance `d`), so every
+    /// source pixel contributes and fine detail does not alias.
     #[default]
     Bilinear,
-    /// Mean of the source pixels each output pixel covers (for downscaling).
+    /// swscale's `SWS_AREA`: shrinking, each source pixel weighs by how much of it the output
+    /// pixel's box covers (`clamp(0.5 + src / dst / 2 - d, 0, 1)`); enlarging, 2-tap linear
+    /// interpolation (what swscale does).
     Area,
 }
 
@@ -181,9 +198,12 @@ impl Default for Preprocess {
     }
 }
 
-/// Converts a whole YUV frame to 8-bit RGB at its own size (what the model sees, before
-/// scaling), rounding to nearest and clamping; chroma is taken from the block that holds each
-/// pixel.
+/// Converts a whole YUV frame to 8-bit RGB at its own size, rounding to nearest and clamping;
+/// chroma is taken from the block that holds each pixel (swscale's `neighbor` path, checked in
+/// `tests/ffmpeg_agreement.rs`). A quick look at the frame, not the model's input: [`preprocess`]
+/// interpolates subsampled chroma (centre-sited, as swscale's bilinear and area filters do), so
+/// on 4:2:0 and 4:2:2 frames the two differ slightly at chroma edges; on 4:4:4 and at the same
+/// size they agree within rounding.
 pub fn to_rgb8(
     desc: &FrameDesc,
     bytes: &[u8],
@@ -222,8 +242,227 @@ fn check_bytes(desc: &FrameDesc, bytes: &[u8]) -> Result<(), Error> {
     Ok(())
 }
 
+/// How swscale's `initFilter` shapes one axis's filter (`libswscale/utils.c`, FFmpeg 5.1), for
+/// [`Resize::Bilinear`] or [`Resize::Area`] from `src` samples to `dst`. The CPU pass turns it
+/// into tap lists ([`Taps`]); the WGSL pass gets the same numbers in its uniform block and
+/// recomputes each output's window in the shader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Axis {
+    resize: Resize,
+    src: usize,
+    dst: usize,
+    /// Source samples per output sample in 16.16 fixed point, rounded as swscale rounds it:
+    /// `((src << 16) + dst / 2) / dst`.
+    pub(crate) inc: i64,
+    /// Taps in each output's window (swscale's `filterSize`, before its trimming).
+    pub(crate) size: usize,
+    pub(crate) mode: AxisMode,
+}
+
+/// Which of `initFilter`'s three constructions an axis uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub(crate) enum AxisMode {
+    /// The windowed filter: `size` taps from `trunc(centre - (size - 2) / 2)`, weights from the
+    /// tap's distance to the output's centre (in output pixels when shrinking).
+    General = 0,
+    /// Area when enlarging: 2-tap linear interpolation (swscale's "bilinear upscale" branch,
+    /// with its own 16.16 position arithmetic).
+    Linear = 1,
+    /// Same size: output `i` is source `i`.
+    Unscaled = 2,
+}
+
+impl Axis {
+    pub(crate) fn new(resize: Resize, src: usize, dst: usize) -> Axis {
+        // Sizes are checked against the frame (usize -> i64 cannot overflow for real frames).
+        let (s, d) = (src as i64, dst as i64);
+        let inc = ((s << 16) + d / 2) / d;
+        let (mode, size) = if (inc - 0x10000).abs() < 10 {
+            (AxisMode::Unscaled, 1)
+        } else if resize == Resize::Area && inc <= 1 << 16 {
+            (AxisMode::Linear, 2)
+        } else {
+            let factor = match resize {
+                Resize::Bilinear => 2,
+                Resize::Area => 1,
+            };
+            let size = if inc <= 1 << 16 {
+                1 + factor
+            } else {
+                1 + (factor * src).div_ceil(dst)
+            };
+            (AxisMode::General, size.min(src.saturating_sub(2)).max(1))
+        };
+        Axis {
+            resize,
+            src,
+            dst,
+            inc,
+            size,
+            mode,
+        }
+    }
+
+    /// Output `i`'s window: its first source index (possibly outside `0..src`) and its `size`
+    /// unnormalised weights, as `initFilter` computes them before folding the edges.
+    fn window(&self, i: usize, w: &mut [f64]) -> i64 {
+        let i = i as i64;
+        match self.mode {
+            AxisMode::Unscaled => {
+                w[0] = 1.0;
+                i
+            }
+            AxisMode::Linear => {
+                // Centre in 16.16: `((128 * inc) >> 8) - ((128 * 0x8000) >> 7) + i * inc`.
+                let pos = (self.inc >> 1) - 0x8000 + i * self.inc;
+                let first = pos >> 16;
+                for (j, w) in w.iter_mut().enumerate() {
+                    let d = ((first + j as i64) * 0x10000 - pos).abs() as f64 / 65536.0;
+                    *w = (1.0 - d).max(0.0);
+                }
+                first
+            }
+            AxisMode::General => {
+                // Centre in 2^-17 source pixels: `(2i + 1) * inc - 0x10000`; C's truncating
+                // division (Rust's too) places the window.
+                let pos = (2 * i + 1) * self.inc - 0x10000;
+                let first = (pos - (self.size as i64 - 2) * 0x10000) / 0x20000;
+                let shrink = self.inc > 1 << 16;
+                for (j, w) in w.iter_mut().enumerate() {
+                    let mut d = ((first + j as i64) * 0x20000 - pos).abs() as f64 / 131072.0;
+                    if shrink {
+                        d = d * self.dst as f64 / self.src as f64;
+                    }
+                    *w = match self.resize {
+                        Resize::Bilinear => (1.0 - d).max(0.0),
+                        Resize::Area => {
+                            (0.5 - (d - 0.5) * self.inc as f64 / 65536.0).clamp(0.0, 1.0)
+                        }
+                    };
+                }
+                first
+            }
+        }
+    }
+}
+
+/// One axis's filter as tap lists: output `i` reads `len` consecutive source samples from
+/// `start[i]` with `weights[i * len..][..len]`. Taps outside the source are folded onto the edge
+/// sample (swscale's border fix, i.e. a clamped index) and the weights are normalised to sum to
+/// one. `len` is padded with zero weights to a multiple of 4 so the dot products vectorise;
+/// rows read through it carry `len` samples of padding.
+#[derive(Clone, Debug)]
+pub(crate) struct Taps {
+    start: Vec<usize>,
+    weights: Vec<f32>,
+    len: usize,
+}
+
+impl Taps {
+    fn new(axis: &Axis) -> Taps {
+        let last = axis.src as i64 - 1;
+        let mut raw = vec![0f64; axis.size];
+        let mut windows = Vec::with_capacity(axis.dst);
+        let mut len = 1;
+        for i in 0..axis.dst {
+            let first = axis.window(i, &mut raw);
+            let lo = first.clamp(0, last);
+            let hi = (first + axis.size as i64 - 1).clamp(0, last);
+            let mut folded = vec![0f64; (hi - lo + 1) as usize];
+            for (j, &w) in raw.iter().enumerate() {
+                folded[((first + j as i64).clamp(lo, hi) - lo) as usize] += w;
+            }
+            // swscale warns on an all-zero window and keeps it (a black sample); so do we.
+            let sum: f64 = folded.iter().sum();
+            let norm = if sum > 0.0 { 1.0 / sum } else { 1.0 };
+            // Zero taps at the window's ends (the tent's feet) would cost a multiply each.
+            let lead = folded.iter().take_while(|w| **w == 0.0).count();
+            let lead = lead.min(folded.len() - 1);
+            let trail = folded[lead..]
+                .iter()
+                .rev()
+                .take_while(|w| **w == 0.0)
+                .count();
+            let kept = folded.len() - lead - trail.min(folded.len() - lead - 1);
+            len = len.max(kept);
+            let ws = folded
+                .into_iter()
+                .skip(lead)
+                .take(kept)
+                .map(move |w| w * norm);
+            windows.push((lo as usize + lead, ws));
+        }
+        let len = len.next_multiple_of(4);
+        let mut start = Vec::with_capacity(axis.dst);
+        let mut weights = vec![0f32; axis.dst * len];
+        for (i, (lo, ws)) in windows.into_iter().enumerate() {
+            start.push(lo);
+            for (slot, w) in weights[i * len..].iter_mut().zip(ws) {
+                *slot = w as f32;
+            }
+        }
+        Taps {
+            start,
+            weights,
+            len,
+        }
+    }
+
+    #[inline(always)]
+    fn get(&self, i: usize) -> (usize, &[f32]) {
+        (self.start[i], &self.weights[i * self.len..][..self.len])
+    }
+}
+
+/// Chroma subsampling of a format: (horizontal, vertical). RGB24 and 4:4:4 have none.
+pub(crate) fn subsampling(format: PixelFormat) -> (bool, bool) {
+    match format {
+        PixelFormat::Nv12 | PixelFormat::I420 => (true, true),
+        PixelFormat::Yuyv | PixelFormat::Yuv422p => (true, false),
+        PixelFormat::Yuv444p | PixelFormat::Rgb24 => (false, false),
+    }
+}
+
+/// The crop rectangle in the chroma plane's own samples: it starts at `floor(x / 2)` and spans
+/// `ceil(width / 2)` where chroma is halved (what ffmpeg's `crop` filter does on 4:2:0 input);
+/// an odd crop offset therefore keeps the chroma grid of the even offset before it.
+pub(crate) fn chroma_crop(format: PixelFormat, crop: Crop) -> Crop {
+    let (h, v) = subsampling(format);
+    Crop {
+        x: if h { crop.x / 2 } else { crop.x },
+        y: if v { crop.y / 2 } else { crop.y },
+        width: if h {
+            crop.width.div_ceil(2)
+        } else {
+            crop.width
+        },
+        height: if v {
+            crop.height.div_ceil(2)
+        } else {
+            crop.height
+        },
+    }
+}
+
+/// Where one channel's samples live: sample `(x, y)` of the channel's plane is
+/// `bytes[base + y * stride + x * step]`.
+#[derive(Clone, Copy, Debug)]
+struct Channel {
+    base: usize,
+    stride: usize,
+    step: usize,
+}
+
 /// The fused pass: `out` receives `3 * width * height` values in `p.layout`. RGB24 input skips
 /// the colour conversion (the matrix and range are then unused).
+///
+/// Resizing is swscale's (see [`Resize`]): each channel is filtered on its own plane at its own
+/// resolution, luma with the luma filters and chroma with filters built for the chroma plane's
+/// size (chroma centre-sited, swscale's default), then converted once per output pixel. The
+/// filters are separable, so each output row is made by filtering the source rows it needs
+/// vertically into one row per channel (contiguous, vectorised), then each output pixel
+/// horizontally from those rows: no full-resolution RGB image, no per-pixel 2D window.
 pub fn preprocess<T: OutElem>(
     desc: &FrameDesc,
     bytes: &[u8],
@@ -239,115 +478,76 @@ pub fn preprocess<T: OutElem>(
         });
     }
     let c = Coefficients::new(p.matrix, p.range);
-    let sampler = Sampler::new(desc);
-    let is_rgb = desc.format == crate::PixelFormat::Rgb24;
-    // Samples in the frame's own space (YUV, or RGB for RGB24 input); `to_rgb` maps them.
-    let yuv_at = |x: usize, y: usize| match sampler.yuv(bytes, crop.x + x, crop.y + y) {
-        Some((yy, u, v)) => [f32::from(yy), f32::from(u), f32::from(v)],
-        None => sampler
-            .rgb(bytes, crop.x + x, crop.y + y)
-            .expect("RGB24 when not YUV")
-            .map(f32::from),
+    let is_rgb = desc.format == PixelFormat::Rgb24;
+    let planes = desc.planes();
+    let chan = |base, stride, step| Channel { base, stride, step };
+    let (s0, w2) = (planes[0].stride, 2 * desc.width);
+    let channels = match desc.format {
+        PixelFormat::Nv12 => [
+            chan(0, s0, 1),
+            chan(planes[1].offset, planes[1].stride, 2),
+            chan(planes[1].offset + 1, planes[1].stride, 2),
+        ],
+        PixelFormat::I420 | PixelFormat::Yuv422p | PixelFormat::Yuv444p => [
+            chan(0, s0, 1),
+            chan(planes[1].offset, planes[1].stride, 1),
+            chan(planes[2].offset, planes[2].stride, 1),
+        ],
+        PixelFormat::Yuyv => [chan(0, w2, 2), chan(1, w2, 4), chan(3, w2, 4)],
+        PixelFormat::Rgb24 => [chan(0, s0, 3), chan(1, s0, 3), chan(2, s0, 3)],
     };
-    let to_rgb = |s: [f32; 3]| if is_rgb { s } else { c.rgb_f32(s) };
-    // The loop is monomorphised per sampler, so the common camera layouts (NV12, I420) read
-    // their planes without a per-sample format dispatch.
-    let (w0, planes) = (sampler.luma_stride(), desc.planes());
-    match desc.format {
-        crate::PixelFormat::Nv12 => {
-            let c0 = planes[1].offset;
-            fused(p, crop, n, out, to_rgb, |x, y| {
-                let (x, y) = (crop.x + x, crop.y + y);
-                let c = c0 + (y / 2) * w0 + (x / 2) * 2;
-                [
-                    f32::from(bytes[y * w0 + x]),
-                    f32::from(bytes[c]),
-                    f32::from(bytes[c + 1]),
-                ]
-            })
-        }
-        crate::PixelFormat::I420 => {
-            let (u0, v0, cw) = (planes[1].offset, planes[2].offset, planes[1].stride);
-            fused(p, crop, n, out, to_rgb, |x, y| {
-                let (x, y) = (crop.x + x, crop.y + y);
-                let c = (y / 2) * cw + x / 2;
-                [
-                    f32::from(bytes[y * w0 + x]),
-                    f32::from(bytes[u0 + c]),
-                    f32::from(bytes[v0 + c]),
-                ]
-            })
-        }
-        _ => fused(p, crop, n, out, to_rgb, yuv_at),
-    }
-    Ok(())
-}
-
-/// The fused loop over output pixels, for one sampler (`sample(x, y)` in crop coordinates).
-#[inline(always)]
-fn fused<T: OutElem>(
-    p: &Preprocess,
-    crop: Crop,
-    n: usize,
-    out: &mut [T],
-    to_rgb: impl Fn([f32; 3]) -> [f32; 3],
-    yuv_at: impl Fn(usize, usize) -> [f32; 3],
-) {
-    let (sx, sy) = (
-        crop.width as f32 / p.width as f32,
-        crop.height as f32 / p.height as f32,
+    let cc = chroma_crop(desc.format, crop);
+    let luma = (
+        Taps::new(&Axis::new(p.resize, crop.width, p.width)),
+        Taps::new(&Axis::new(p.resize, crop.height, p.height)),
+    );
+    let chroma = (
+        Taps::new(&Axis::new(p.resize, cc.width, p.width)),
+        Taps::new(&Axis::new(p.resize, cc.height, p.height)),
     );
     let scale: [f32; 3] = std::array::from_fn(|i| 1.0 / (255.0 * p.std[i]));
     let bias: [f32; 3] = std::array::from_fn(|i| -p.mean[i] / p.std[i]);
-    // Bilinear taps per output column and row, computed once.
-    let taps = |o: usize, s: f32, len: usize| {
-        let f = ((o as f32 + 0.5) * s - 0.5).clamp(0.0, (len - 1) as f32);
-        let i0 = f as usize;
-        (i0, (i0 + 1).min(len - 1), f - i0 as f32)
-    };
-    let cols: Vec<(usize, usize, f32)> = (0..p.width).map(|o| taps(o, sx, crop.width)).collect();
+    let rect = |i: usize| if i == 0 { crop } else { cc };
+    let taps_x = |i: usize| if i == 0 { &luma.0 } else { &chroma.0 };
+    let taps_y = |i: usize| if i == 0 { &luma.1 } else { &chroma.1 };
+    // Each channel's vertically filtered row, padded by its horizontal tap count so every dot
+    // product reads whole windows; then its horizontally filtered output row.
+    let mut rows: [Vec<f32>; 3] =
+        std::array::from_fn(|i| vec![0f32; rect(i).width + taps_x(i).len]);
+    let mut filtered: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; p.width]);
+    // NV12's chroma is filtered as one interleaved U/V row (contiguous, so it vectorises like
+    // luma) and split afterwards.
+    let nv12 = desc.format == PixelFormat::Nv12;
+    let mut pair = vec![0f32; if nv12 { 2 * cc.width } else { 0 }];
     for oy in 0..p.height {
-        let (y0, y1, ay) = taps(oy, sy, crop.height);
-        for (ox, &(x0, x1, ax)) in cols.iter().enumerate() {
-            let rgb = match p.resize {
-                // YUV -> RGB is affine, so interpolating YUV and converting once equals converting
-                // the four taps and interpolating RGB (up to float rounding), at a quarter of the
-                // work.
-                Resize::Bilinear => {
-                    let (a, b, cc, d) = (
-                        yuv_at(x0, y0),
-                        yuv_at(x1, y0),
-                        yuv_at(x0, y1),
-                        yuv_at(x1, y1),
-                    );
-                    let mix: [f32; 3] = std::array::from_fn(|i| {
-                        let top = a[i] + (b[i] - a[i]) * ax;
-                        let bottom = cc[i] + (d[i] - cc[i]) * ax;
-                        top + (bottom - top) * ay
-                    });
-                    to_rgb(mix)
-                }
-                Resize::Area => {
-                    let (x0, x1) = (
-                        (ox as f32 * sx) as usize,
-                        (((ox + 1) as f32 * sx).ceil() as usize).min(crop.width),
-                    );
-                    let (y0, y1) = (
-                        (oy as f32 * sy) as usize,
-                        (((oy + 1) as f32 * sy).ceil() as usize).min(crop.height),
-                    );
-                    let mut sum = [0f32; 3];
-                    for y in y0..y1.max(y0 + 1) {
-                        for x in x0..x1.max(x0 + 1) {
-                            let v = to_rgb(yuv_at(x, y)).map(|v| v.clamp(0.0, 255.0));
-                            for i in 0..3 {
-                                sum[i] += v[i];
-                            }
-                        }
-                    }
-                    let count = ((x1.max(x0 + 1) - x0) * (y1.max(y0 + 1) - y0)) as f32;
-                    sum.map(|s| s / count)
-                }
+        for (i, row) in rows.iter_mut().enumerate() {
+            if nv12 && i > 0 {
+                continue;
+            }
+            let (ch, r) = (&channels[i], rect(i));
+            let (y0, wy) = taps_y(i).get(oy);
+            let base = ch.base + (r.y + y0) * ch.stride + r.x * ch.step;
+            vertical(bytes, base, ch.stride, ch.step, wy, &mut row[..r.width]);
+        }
+        if nv12 {
+            let ch = &channels[1];
+            let (y0, wy) = chroma.1.get(oy);
+            let base = ch.base + (cc.y + y0) * ch.stride + cc.x * 2;
+            vertical(bytes, base, ch.stride, 1, wy, &mut pair);
+            let [_, u, v] = &mut rows;
+            for ((uv, u), v) in pair.chunks_exact(2).zip(u.iter_mut()).zip(v.iter_mut()) {
+                (*u, *v) = (uv[0], uv[1]);
+            }
+        }
+        for (i, out) in filtered.iter_mut().enumerate() {
+            horizontal(&rows[i], taps_x(i), out);
+        }
+        let [s0, s1, s2] = &filtered;
+        for (ox, ((&a, &b), &d)) in s0.iter().zip(s1).zip(s2).enumerate() {
+            let rgb = if is_rgb {
+                [a, b, d]
+            } else {
+                c.rgb_f32([a, b, d])
             };
             let o = oy * p.width + ox;
             for i in 0..3 {
@@ -360,6 +560,115 @@ fn fused<T: OutElem>(
             }
         }
     }
+    Ok(())
+}
+
+/// Filters source rows vertically into `row`: `row[x] = sum_k wy[k] * bytes[base + k * stride +
+/// x * step]`. Zero weights (the padding past a window, whose rows may lie past the plane) are
+/// skipped.
+#[inline(always)]
+fn vertical(bytes: &[u8], base: usize, stride: usize, step: usize, wy: &[f32], row: &mut [f32]) {
+    // Monomorphised per sample step so the planar case (step 1) vectorises.
+    match step {
+        1 => vertical_step::<1>(bytes, base, stride, wy, row),
+        2 => vertical_step::<2>(bytes, base, stride, wy, row),
+        3 => vertical_step::<3>(bytes, base, stride, wy, row),
+        _ => vertical_step::<4>(bytes, base, stride, wy, row),
+    }
+}
+
+#[inline(always)]
+fn vertical_step<const STEP: usize>(
+    bytes: &[u8],
+    base: usize,
+    stride: usize,
+    wy: &[f32],
+    row: &mut [f32],
+) {
+    let w = row.len();
+    let span = (w - 1) * STEP + 1;
+    let mut first = true;
+    // Zero weights are skipped; the others are taken two rows at a time, halving the passes
+    // over `row`.
+    let mut taps = wy.iter().enumerate().filter(|(_, w)| **w != 0.0);
+    while let Some((k, &w0)) = taps.next() {
+        let a = &bytes[base + k * stride..][..span];
+        match taps.next() {
+            Some((k1, &w1)) => {
+                let b = &bytes[base + k1 * stride..][..span];
+                if STEP == 1 {
+                    let (a, b) = (&a[..w], &b[..w]);
+                    for ((acc, s), t) in row.iter_mut().zip(a).zip(b) {
+                        let v = w0 * f32::from(*s) + w1 * f32::from(*t);
+                        *acc = if first { v } else { *acc + v };
+                    }
+                } else {
+                    for (x, acc) in row.iter_mut().enumerate() {
+                        let v = w0 * f32::from(a[x * STEP]) + w1 * f32::from(b[x * STEP]);
+                        *acc = if first { v } else { *acc + v };
+                    }
+                }
+            }
+            None => {
+                if STEP == 1 {
+                    for (acc, s) in row.iter_mut().zip(&a[..w]) {
+                        let v = w0 * f32::from(*s);
+                        *acc = if first { v } else { *acc + v };
+                    }
+                } else {
+                    for (x, acc) in row.iter_mut().enumerate() {
+                        let v = w0 * f32::from(a[x * STEP]);
+                        *acc = if first { v } else { *acc + v };
+                    }
+                }
+            }
+        }
+        first = false;
+    }
+    if first {
+        row.fill(0.0);
+    }
+}
+
+/// Filters one vertically filtered row horizontally: `out[i] = row[start_i..] . weights_i`.
+#[inline(always)]
+fn horizontal(row: &[f32], taps: &Taps, out: &mut [f32]) {
+    // The tap count is fixed per call; specialising on it unrolls the dot product.
+    match taps.len {
+        4 => horizontal_n::<4>(row, taps, out),
+        8 => horizontal_n::<8>(row, taps, out),
+        12 => horizontal_n::<12>(row, taps, out),
+        16 => horizontal_n::<16>(row, taps, out),
+        _ => {
+            for (i, o) in out.iter_mut().enumerate() {
+                let (x0, wx) = taps.get(i);
+                *o = dot(&row[x0..x0 + wx.len()], wx);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn horizontal_n<const L: usize>(row: &[f32], taps: &Taps, out: &mut [f32]) {
+    for ((o, &x0), wx) in out
+        .iter_mut()
+        .zip(&taps.start)
+        .zip(taps.weights.chunks_exact(L))
+    {
+        *o = dot(&row[x0..x0 + L], wx);
+    }
+}
+
+/// `a . b` over a multiple of 4 values, four lanes at a time.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 4];
+    for (x, y) in a.chunks_exact(4).zip(b.chunks_exact(4)) {
+        for k in 0..4 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    (acc[0] + acc[1]) + (acc[2] + acc[3])
 }
 
 /// An output element type of [`preprocess`].

@@ -8,8 +8,9 @@
 //! - [`FrameSource`] (object-safe) with [`PatternSource`] (a moving test pattern at any size and
 //!   rate) and [`Y4mSource`] (8-bit 4:2:0/4:2:2/4:4:4 through the `y4m` crate); real-time or
 //!   as-fast-as-possible pacing; each frame signals its source's timeline when ready.
-//! - [`isp`]: the scalar reference of the fused pass (YUV -> RGB with BT.601/BT.709, limited or
-//!   full range, crop, bilinear or area resize, mean/std normalisation, f32/f16, CHW/HWC).
+//! - [`isp`]: the CPU reference of the fused pass (YUV -> RGB with BT.601/BT.709, limited or
+//!   full range, crop, swscale's bilinear or area resize, mean/std normalisation, f32/f16,
+//!   CHW/HWC); conversions and resizes agree with ffmpeg's swscale within 1 LSB.
 //!
 //! - [`ImageSource`] (PNG/JPEG files and folders through the `image` crate) and
 //!   [`open_source`], which parses `pattern:`/`file:`/`camera:` specs.
@@ -18,11 +19,11 @@
 //!   buffers exported as dma-bufs (`VIDIOC_EXPBUF`) and imported as uvm-alloc buffers; drops are
 //!   counted from sequence gaps; a vanished device is an error, never a hang.
 //!
-//! - [`gpu`]: the same fused pass as a WGSL compute shader with its uniform block; the crate has
-//!   no GPU dependency, callers bind the frame's unified buffer as-is.
+//! - [`gpu`]: the same fused pass as a WGSL compute shader with its uniform block, writing f32 or
+//!   f16 (packed pairs, no `SHADER_F16` needed); the crate has no GPU dependency, callers bind the
+//!   frame's unified buffer as-is.
 //!
-//! Still to come with issue #7: explicit SIMD, f16 output on the GPU, resize agreement with ffmpeg,
-//! `V4L2_MEMORY_DMABUF` import of uvm-alloc buffers.
+//! Still to come with issue #7: explicit SIMD, `V4L2_MEMORY_DMABUF` import of uvm-alloc buffers.
 //!
 //! # Design
 //! - One object-safe frame-source trait; each frame carries its buffer, format, timestamp,

@@ -8,12 +8,20 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use isp_v4l2::gpu::{GpuParams, ISP_WGSL};
+use isp_v4l2::gpu::{Elem, GpuParams, ISP_WGSL};
 use isp_v4l2::isp::{Crop, Layout, Matrix, Preprocess, Range, Resize, preprocess};
 use isp_v4l2::{FrameDesc, PixelFormat};
 use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
 use uvm_alloc::{Access, Allocator, AllocatorDesc};
 use wgpu::util::DeviceExt;
+
+/// One 8-bit step after normalisation is 1 / (255 * std) ~ 0.017; float contraction and
+/// summation-order differences between the CPU and the shader are ~1e-5. f16 output may also
+/// differ by one f16 step of the value (rounding).
+const TOLERANCE: f32 = 1e-3;
+
+/// One f16 step relative to the value (10 mantissa bits; an upper bound on the step).
+const F16_STEP: f32 = 1.0 / 1024.0;
 
 fn adapter() -> Option<wgpu::Adapter> {
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
@@ -128,68 +136,96 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
                 layout,
             };
             let mut want = vec![0f32; 3 * w * h];
+            let mut want16 = vec![half::f16::ZERO; 3 * w * h];
             {
                 let r = frame.cpu_access(0..desc.byte_len(), Access::Read).unwrap();
                 preprocess(&desc, r.bytes(), &p, &mut want).unwrap();
+                preprocess(&desc, r.bytes(), &p, &mut want16).unwrap();
             }
-            let params = GpuParams::new(&desc, &p).unwrap();
-            let out = Arc::new(allocator.allocate(params.output_bytes() as usize).unwrap());
-            let out_gpu = import_wgpu_buffer(
-                &device,
-                &caps,
-                Arc::clone(&out),
-                wgpu::BufferUsages::STORAGE,
-                None,
-            )
-            .unwrap();
-            let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("isp params"),
-                contents: bytemuck::bytes_of(&params),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-            let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &[
-                    wgpu::BindGroupEntry {
-                        binding: 0,
-                        resource: frame_gpu.buffer.as_entire_binding(),
-                    },
-                    wgpu::BindGroupEntry {
-                        binding: 1,
-                        resource: out_gpu.buffer.as_entire_binding(),
-                    },
-                    wgpu::BindGroupEntry {
-                        binding: 2,
-                        resource: uniform.as_entire_binding(),
-                    },
-                ],
-            });
-            let mut encoder = device.create_command_encoder(&Default::default());
-            {
-                let mut pass = encoder.begin_compute_pass(&Default::default());
-                pass.set_pipeline(&pipeline);
-                pass.set_bind_group(0, &bind, &[]);
-                let (x, y, z) = params.workgroups();
-                pass.dispatch_workgroups(x, y, z);
+            for elem in [Elem::F32, Elem::F16] {
+                let params = match GpuParams::with_elem(&desc, &p, elem) {
+                    Ok(params) => params,
+                    Err(e) => {
+                        // f16 packs pixel pairs: an odd width is refused, clearly.
+                        assert!(elem == Elem::F16 && w % 2 == 1, "{e}");
+                        assert!(e.to_string().contains("even width"), "{e}");
+                        continue;
+                    }
+                };
+                let out = Arc::new(allocator.allocate(params.output_bytes() as usize).unwrap());
+                let out_gpu = import_wgpu_buffer(
+                    &device,
+                    &caps,
+                    Arc::clone(&out),
+                    wgpu::BufferUsages::STORAGE,
+                    None,
+                )
+                .unwrap();
+                let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("isp params"),
+                    contents: bytemuck::bytes_of(&params),
+                    usage: wgpu::BufferUsages::UNIFORM,
+                });
+                let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: None,
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &[
+                        wgpu::BindGroupEntry {
+                            binding: 0,
+                            resource: frame_gpu.buffer.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 1,
+                            resource: out_gpu.buffer.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 2,
+                            resource: uniform.as_entire_binding(),
+                        },
+                    ],
+                });
+                let mut encoder = device.create_command_encoder(&Default::default());
+                {
+                    let mut pass = encoder.begin_compute_pass(&Default::default());
+                    pass.set_pipeline(&pipeline);
+                    pass.set_bind_group(0, &bind, &[]);
+                    let (x, y, z) = params.workgroups();
+                    pass.dispatch_workgroups(x, y, z);
+                }
+                queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
+                device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+                let r = out
+                    .cpu_access(0..params.output_bytes() as usize, Access::Read)
+                    .unwrap();
+                let worst = match elem {
+                    Elem::F32 => {
+                        let got = r.typed::<f32>().unwrap();
+                        got.iter()
+                            .zip(&want)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, f32::max)
+                    }
+                    Elem::F16 => {
+                        let got = r.typed::<u16>().unwrap();
+                        // Beyond one f16 step of the value: the shader's `pack2x16float` may
+                        // round differently from `half` (nearest even).
+                        got.iter()
+                            .zip(&want16)
+                            .map(|(a, b)| {
+                                let (a, b) = (half::f16::from_bits(*a).to_f32(), b.to_f32());
+                                (a - b).abs() - b.abs() * F16_STEP
+                            })
+                            .fold(0f32, f32::max)
+                    }
+                };
+                assert!(
+                    worst < TOLERANCE,
+                    "{format:?} {resize:?} {layout:?} {crop:?} {w}x{h} {elem:?}: max difference {worst}"
+                );
+                checked += 1;
             }
-            queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
-            device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-            let r = out.cpu_access(0..3 * w * h * 4, Access::Read).unwrap();
-            let got = r.typed::<f32>().unwrap();
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            // One 8-bit step after normalisation is 1 / (255 * std) ~ 0.017; float contraction
-            // differences are ~1e-5.
-            assert!(
-                worst < 1e-3,
-                "{format:?} {resize:?} {layout:?} {crop:?} {w}x{h}: max difference {worst}"
-            );
-            checked += 1;
         }
     }
-    assert_eq!(checked, 24);
+    // 24 f32 combinations and the 18 of them with an even width in f16.
+    assert_eq!(checked, 42);
 }

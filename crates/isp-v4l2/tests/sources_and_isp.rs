@@ -183,7 +183,26 @@ fn fused_pass_matches_rgb_then_resize() {
         .unwrap()
         .bytes()
         .to_vec();
-    // Same size, identity normalisation: the fused pass equals the RGB conversion.
+    // Same size, identity normalisation: the fused pass equals the RGB conversion. (On 4:4:4:
+    // subsampled chroma is interpolated at centre siting by the pass, as swscale does, where
+    // `to_rgb8` takes the chroma of the block.)
+    let d444 = FrameDesc::new(64, 48, PixelFormat::Yuv444p).unwrap();
+    let mut src444 = PatternSource::new(
+        64,
+        48,
+        PixelFormat::Yuv444p,
+        30.0,
+        Pacing::AsFastAsPossible,
+        None,
+    )
+    .unwrap();
+    let f444 = src444.next_frame().unwrap().unwrap();
+    let bytes444 = f444
+        .buffer
+        .cpu_access(0..d444.byte_len(), Access::Read)
+        .unwrap()
+        .bytes()
+        .to_vec();
     let p = Preprocess {
         width: 64,
         height: 48,
@@ -193,12 +212,14 @@ fn fused_pass_matches_rgb_then_resize() {
         ..Default::default()
     };
     let mut out = vec![0f32; 64 * 48 * 3];
-    preprocess(&d, &bytes, &p, &mut out).unwrap();
-    let rgb = to_rgb8(&d, &bytes, Matrix::Bt601, Range::Limited).unwrap();
+    preprocess(&d444, &bytes444, &p, &mut out).unwrap();
+    let rgb = to_rgb8(&d444, &bytes444, Matrix::Bt601, Range::Limited).unwrap();
     for (o, r) in out.iter().zip(&rgb) {
         assert!((o * 255.0 - f32::from(*r)).abs() <= 0.5 + 1e-3);
     }
-    // A 2x area downscale of a crop is the mean of each 2x2 block, normalised to -1..1 (CHW).
+    // A 2x area downscale of a crop (even offsets) averages each 2x2 luma block and takes the
+    // block's own chroma (the chroma plane is unscaled), then converts, normalised to -1..1
+    // (CHW).
     let p = Preprocess {
         crop: Some(Crop {
             x: 8,
@@ -214,17 +235,17 @@ fn fused_pass_matches_rgb_then_resize() {
     let mut out = vec![0f32; 3 * 16 * 8];
     preprocess(&d, &bytes, &p, &mut out).unwrap();
     let c = Coefficients::new(Matrix::Bt601, Range::Limited);
-    let rgb_at = |x: usize, y: usize| {
-        let (yy, u, v) = d.yuv_at(&bytes, x, y).unwrap();
-        c.rgb(yy, u, v).map(|v| v.clamp(0.0, 255.0))
-    };
     for (oy, ox) in [(0, 0), (3, 7), (7, 15)] {
+        let (x, y) = (8 + 2 * ox, 8 + 2 * oy);
+        let luma: f32 = [(0, 0), (1, 0), (0, 1), (1, 1)]
+            .iter()
+            .map(|(dx, dy)| f32::from(d.yuv_at(&bytes, x + dx, y + dy).unwrap().0))
+            .sum::<f32>()
+            / 4.0;
+        let (_, u, v) = d.yuv_at(&bytes, x, y).unwrap();
+        let rgb = c.rgb_f32([luma, f32::from(u), f32::from(v)]);
         for ch in 0..3 {
-            let mean: f32 = [(0, 0), (1, 0), (0, 1), (1, 1)]
-                .iter()
-                .map(|(dx, dy)| rgb_at(8 + 2 * ox + dx, 8 + 2 * oy + dy)[ch])
-                .sum::<f32>()
-                / 4.0;
+            let mean = rgb[ch].clamp(0.0, 255.0);
             let want = (mean / 255.0 - 0.5) / 0.5;
             let got = out[ch * 128 + oy * 16 + ox];
             assert!(

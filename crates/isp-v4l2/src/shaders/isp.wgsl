@@ -1,8 +1,10 @@
-// The fused ISP pass on the GPU: one invocation per output pixel reads the frame's own bytes
-// (NV12, I420, YUYV, 4:2:2 / 4:4:4 planar or RGB24, as 32-bit words), converts YUV to RGB,
-// resizes (bilinear or area) from the crop rectangle, normalises with mean/std and writes f32 in
-// CHW or HWC. It is the CPU reference in isp.rs, operation for operation; the tests hold it to
-// that reference on a real driver.
+// The fused ISP pass on the GPU: one invocation per output pixel (two for f16 output) reads the
+// frame's own bytes (NV12, I420, YUYV, 4:2:2 / 4:4:4 planar or RGB24, as 32-bit words), resizes
+// each channel on its own plane with swscale's bilinear or area filter (luma and chroma each at
+// their own resolution, chroma centre-sited), converts YUV to RGB, normalises with mean/std and
+// writes f32 or packed f16 in CHW or HWC. It is the CPU reference in isp.rs, operation for
+// operation: the same windows (placed with the same integer arithmetic), weights, edge folding
+// and per-axis normalisation; the tests hold it to that reference on a real driver.
 
 struct Params {
     format: u32, src_w: u32, src_h: u32, luma_stride: u32,
@@ -10,14 +12,20 @@ struct Params {
     crop_x: u32, crop_y: u32, crop_w: u32, crop_h: u32,
     out_w: u32, out_h: u32, resize: u32, out_layout: u32,
     y_offset: f32, y_scale: f32, c_scale: f32, r_cr: f32,
-    g_cb: f32, g_cr: f32, b_cb: f32, sx: f32,
-    sy: f32, pad0: u32, pad1: u32, pad2: u32,
+    g_cb: f32, g_cr: f32, b_cb: f32, out_f16: u32,
+    chr_x: u32, chr_y: u32, chr_w: u32, chr_h: u32,
+    // Per axis (luma x, luma y, chroma x, chroma y): swscale's 16.16 step, window size, and
+    // construction (0 windowed, 1 linear, 2 unscaled).
+    inc: vec4<i32>,
+    taps: vec4<i32>,
+    mode: vec4<u32>,
     scale: vec4<f32>,
     bias: vec4<f32>,
 };
 
 @group(0) @binding(0) var<storage, read> frame: array<u32>;
-@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+// f32 values as their bits, or two f16 values per word.
+@group(0) @binding(1) var<storage, read_write> out: array<u32>;
 @group(0) @binding(2) var<uniform> p: Params;
 
 fn byte_at(i: u32) -> f32 {
@@ -25,98 +33,191 @@ fn byte_at(i: u32) -> f32 {
     return f32((w >> ((i & 3u) * 8u)) & 0xffu);
 }
 
-// The frame's own sample (YUV, or RGB for RGB24) at crop-relative (x, y).
-fn sample(cx: u32, cy: u32) -> vec3<f32> {
-    let x = p.crop_x + cx;
-    let y = p.crop_y + cy;
+// The first channel (Y, or R for RGB24) at frame coordinates (x, y).
+fn luma(x: u32, y: u32) -> f32 {
+    let ls = p.luma_stride;
+    switch p.format {
+        case 2u: { return byte_at(y * ls + 2u * x); } // YUYV
+        case 5u: { return byte_at(y * ls + 3u * x); } // RGB24
+        default: { return byte_at(y * ls + x); }
+    }
+}
+
+// The other two channels (U and V, or G and B) at chroma-plane coordinates (x, y).
+fn chroma(x: u32, y: u32) -> vec2<f32> {
     let ls = p.luma_stride;
     switch p.format {
         case 0u: { // NV12
-            let c = p.c0 + (y / 2u) * ls + (x / 2u) * 2u;
-            return vec3<f32>(byte_at(y * ls + x), byte_at(c), byte_at(c + 1u));
-        }
-        case 1u: { // I420
-            let c = (y / 2u) * p.c_stride + x / 2u;
-            return vec3<f32>(byte_at(y * ls + x), byte_at(p.c0 + c), byte_at(p.c1 + c));
+            let c = p.c0 + y * ls + 2u * x;
+            return vec2<f32>(byte_at(c), byte_at(c + 1u));
         }
         case 2u: { // YUYV
-            let row = y * ls + (x / 2u) * 4u;
-            return vec3<f32>(byte_at(row + (x % 2u) * 2u), byte_at(row + 1u), byte_at(row + 3u));
+            let c = y * ls + 4u * x;
+            return vec2<f32>(byte_at(c + 1u), byte_at(c + 3u));
         }
-        case 3u: { // 4:2:2 planar
-            let c = y * p.c_stride + x / 2u;
-            return vec3<f32>(byte_at(y * ls + x), byte_at(p.c0 + c), byte_at(p.c1 + c));
+        case 5u: { // RGB24
+            let c = y * ls + 3u * x;
+            return vec2<f32>(byte_at(c + 1u), byte_at(c + 2u));
         }
-        case 4u: { // 4:4:4 planar
+        default: { // I420, 4:2:2 and 4:4:4 planar
             let c = y * p.c_stride + x;
-            return vec3<f32>(byte_at(y * ls + x), byte_at(p.c0 + c), byte_at(p.c1 + c));
-        }
-        default: { // RGB24
-            let o = y * ls + 3u * x;
-            return vec3<f32>(byte_at(o), byte_at(o + 1u), byte_at(o + 2u));
+            return vec2<f32>(byte_at(p.c0 + c), byte_at(p.c1 + c));
         }
     }
 }
 
-fn to_rgb(s: vec3<f32>) -> vec3<f32> {
-    if (p.is_rgb != 0u) {
-        return s;
+// Output o's window on axis a: its first source index (possibly outside the source) and its
+// centre relative to that index, in 2^-17 source pixels (windowed) or 2^-16 (linear).
+fn window(a: u32, o: u32) -> vec2<i32> {
+    let inc = p.inc[a];
+    let oi = i32(o);
+    if (p.mode[a] == 2u) {
+        return vec2<i32>(oi, 0);
     }
-    let y = (s.x - p.y_offset) * p.y_scale;
-    let cb = (s.y - 128.0) * p.c_scale;
-    let cr = (s.z - 128.0) * p.c_scale;
-    return vec3<f32>(y + p.r_cr * cr, y + p.g_cb * cb + p.g_cr * cr, y + p.b_cb * cb);
+    if (p.mode[a] == 1u) {
+        let pos = (inc >> 1u) - 0x8000 + oi * inc;
+        let first = pos >> 16u;
+        return vec2<i32>(first, pos - first * 0x10000);
+    }
+    let pos = (2 * oi + 1) * inc - 0x10000;
+    // WGSL's i32 division truncates toward zero, as C's does in swscale.
+    let first = (pos - (p.taps[a] - 2) * 0x10000) / 0x20000;
+    return vec2<i32>(first, pos - first * 0x20000);
 }
 
-struct Taps { i0: u32, i1: u32, a: f32 };
+// The unnormalised weight of tap j of a window with relative centre rel on axis a; ratio is
+// output / source samples.
+fn weight(a: u32, j: i32, rel: i32, ratio: f32) -> f32 {
+    if (p.mode[a] == 2u) {
+        return 1.0;
+    }
+    if (p.mode[a] == 1u) {
+        return max(1.0 - f32(abs(j * 0x10000 - rel)) / 65536.0, 0.0);
+    }
+    var d = f32(abs(j * 0x20000 - rel)) / 131072.0;
+    if (p.inc[a] > 0x10000) {
+        d = d * ratio; // shrinking: distance in output pixels
+    }
+    if (p.resize == 0u) {
+        return max(1.0 - d, 0.0);
+    }
+    return clamp(0.5 - (d - 0.5) * f32(p.inc[a]) / 65536.0, 0.0, 1.0);
+}
 
-fn taps(o: u32, s: f32, len: u32) -> Taps {
-    let f = clamp((f32(o) + 0.5) * s - 0.5, 0.0, f32(len - 1u));
-    let i0 = u32(f);
-    return Taps(i0, min(i0 + 1u, len - 1u), f - f32(i0));
+fn norm(sum: f32) -> f32 {
+    return select(1.0, sum, sum > 0.0);
+}
+
+// Luma (or R) of output (ox, oy), filtered on its plane.
+fn filter_luma(ox: u32, oy: u32) -> f32 {
+    let wx = window(0u, ox);
+    let wy = window(1u, oy);
+    let rx = f32(p.out_w) / f32(p.crop_w);
+    let ry = f32(p.out_h) / f32(p.crop_h);
+    var sum_x = 0.0;
+    for (var j = 0; j < p.taps.x; j++) {
+        sum_x += weight(0u, j, wx.y, rx);
+    }
+    var sum_y = 0.0;
+    var acc = 0.0;
+    for (var k = 0; k < p.taps.y; k++) {
+        let w = weight(1u, k, wy.y, ry);
+        sum_y += w;
+        if (w == 0.0) {
+            continue;
+        }
+        let y = p.crop_y + u32(clamp(wy.x + k, 0, i32(p.crop_h) - 1));
+        var row = 0.0;
+        for (var j = 0; j < p.taps.x; j++) {
+            let x = p.crop_x + u32(clamp(wx.x + j, 0, i32(p.crop_w) - 1));
+            row += weight(0u, j, wx.y, rx) * luma(x, y);
+        }
+        acc += w * row;
+    }
+    return acc / (norm(sum_x) * norm(sum_y));
+}
+
+// Chroma (or G, B) of output (ox, oy), filtered on the chroma plane at its own resolution.
+fn filter_chroma(ox: u32, oy: u32) -> vec2<f32> {
+    let wx = window(2u, ox);
+    let wy = window(3u, oy);
+    let rx = f32(p.out_w) / f32(p.chr_w);
+    let ry = f32(p.out_h) / f32(p.chr_h);
+    var sum_x = 0.0;
+    for (var j = 0; j < p.taps.z; j++) {
+        sum_x += weight(2u, j, wx.y, rx);
+    }
+    var sum_y = 0.0;
+    var acc = vec2<f32>(0.0);
+    for (var k = 0; k < p.taps.w; k++) {
+        let w = weight(3u, k, wy.y, ry);
+        sum_y += w;
+        if (w == 0.0) {
+            continue;
+        }
+        let y = p.chr_y + u32(clamp(wy.x + k, 0, i32(p.chr_h) - 1));
+        var row = vec2<f32>(0.0);
+        for (var j = 0; j < p.taps.z; j++) {
+            let x = p.chr_x + u32(clamp(wx.x + j, 0, i32(p.chr_w) - 1));
+            row += weight(2u, j, wx.y, rx) * chroma(x, y);
+        }
+        acc += w * row;
+    }
+    return acc / (norm(sum_x) * norm(sum_y));
+}
+
+// The normalised output values of pixel (ox, oy).
+fn pixel(ox: u32, oy: u32) -> vec3<f32> {
+    let s = vec3<f32>(filter_luma(ox, oy), filter_chroma(ox, oy));
+    var rgb = s;
+    if (p.is_rgb == 0u) {
+        let y = (s.x - p.y_offset) * p.y_scale;
+        let cb = (s.y - 128.0) * p.c_scale;
+        let cr = (s.z - 128.0) * p.c_scale;
+        rgb = vec3<f32>(y + p.r_cr * cr, y + p.g_cb * cb + p.g_cr * cr, y + p.b_cb * cb);
+    }
+    return clamp(rgb, vec3<f32>(0.0), vec3<f32>(255.0)) * p.scale.xyz + p.bias.xyz;
 }
 
 @compute @workgroup_size(8, 8, 1)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let ox = gid.x;
     let oy = gid.y;
+    let n = p.out_w * p.out_h;
+    if (p.out_f16 != 0u) {
+        // Two horizontally adjacent pixels (the width is even), packed as f16 pairs; element 2k
+        // is the low half of word k.
+        let ox = 2u * gid.x;
+        if (ox >= p.out_w || oy >= p.out_h) {
+            return;
+        }
+        let a = pixel(ox, oy);
+        let b = pixel(ox + 1u, oy);
+        let o = oy * p.out_w + ox;
+        if (p.out_layout == 0u) {
+            out[o / 2u] = pack2x16float(vec2<f32>(a.x, b.x));
+            out[(n + o) / 2u] = pack2x16float(vec2<f32>(a.y, b.y));
+            out[(2u * n + o) / 2u] = pack2x16float(vec2<f32>(a.z, b.z));
+        } else {
+            let w = 3u * o / 2u;
+            out[w] = pack2x16float(a.xy);
+            out[w + 1u] = pack2x16float(vec2<f32>(a.z, b.x));
+            out[w + 2u] = pack2x16float(b.yz);
+        }
+        return;
+    }
+    let ox = gid.x;
     if (ox >= p.out_w || oy >= p.out_h) {
         return;
     }
-    var rgb: vec3<f32>;
-    if (p.resize == 0u) {
-        let tx = taps(ox, p.sx, p.crop_w);
-        let ty = taps(oy, p.sy, p.crop_h);
-        let a = sample(tx.i0, ty.i0);
-        let b = sample(tx.i1, ty.i0);
-        let c = sample(tx.i0, ty.i1);
-        let d = sample(tx.i1, ty.i1);
-        let top = a + (b - a) * tx.a;
-        let bottom = c + (d - c) * tx.a;
-        rgb = to_rgb(top + (bottom - top) * ty.a);
-    } else {
-        let x0 = u32(f32(ox) * p.sx);
-        let x1 = max(min(u32(ceil(f32(ox + 1u) * p.sx)), p.crop_w), x0 + 1u);
-        let y0 = u32(f32(oy) * p.sy);
-        let y1 = max(min(u32(ceil(f32(oy + 1u) * p.sy)), p.crop_h), y0 + 1u);
-        var sum = vec3<f32>(0.0);
-        for (var y = y0; y < y1; y++) {
-            for (var x = x0; x < x1; x++) {
-                sum += clamp(to_rgb(sample(x, y)), vec3<f32>(0.0), vec3<f32>(255.0));
-            }
-        }
-        rgb = sum / f32((x1 - x0) * (y1 - y0));
-    }
-    let v = clamp(rgb, vec3<f32>(0.0), vec3<f32>(255.0)) * p.scale.xyz + p.bias.xyz;
+    let v = pixel(ox, oy);
     let o = oy * p.out_w + ox;
-    let n = p.out_w * p.out_h;
     if (p.out_layout == 0u) {
-        out[o] = v.x;
-        out[n + o] = v.y;
-        out[2u * n + o] = v.z;
+        out[o] = bitcast<u32>(v.x);
+        out[n + o] = bitcast<u32>(v.y);
+        out[2u * n + o] = bitcast<u32>(v.z);
     } else {
-        out[3u * o] = v.x;
-        out[3u * o + 1u] = v.y;
-        out[3u * o + 2u] = v.z;
+        out[3u * o] = bitcast<u32>(v.x);
+        out[3u * o + 1u] = bitcast<u32>(v.y);
+        out[3u * o + 2u] = bitcast<u32>(v.z);
     }
 }
