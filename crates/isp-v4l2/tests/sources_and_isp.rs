@@ -56,6 +56,49 @@ fn known_colours_convert_exactly() {
     assert!(red[0] >= 254 && red[1] <= 1 && red[2] <= 1, "{red:?}");
 }
 
+/// Every pixel of every layout holds `PatternSource::sample`'s value (the row-at-a-time writer
+/// is the per-pixel definition, just faster), at odd sizes too.
+#[test]
+fn the_pattern_source_writes_sample_at_every_pixel() {
+    for (w, h) in [(64, 32), (30, 18), (1920, 1080)] {
+        for format in [
+            PixelFormat::Nv12,
+            PixelFormat::I420,
+            PixelFormat::Yuyv,
+            PixelFormat::Yuv422p,
+            PixelFormat::Yuv444p,
+        ] {
+            let mut src =
+                PatternSource::new(w, h, format, 60.0, Pacing::AsFastAsPossible, Some(2)).unwrap();
+            for n in 0..2u64 {
+                let f = src.next_frame().unwrap().unwrap();
+                let g = f
+                    .buffer
+                    .cpu_access(0..f.desc.byte_len(), Access::Read)
+                    .unwrap();
+                let bytes = g.bytes();
+                for y in (0..h).step_by(if w > 100 { 7 } else { 1 }) {
+                    for x in 0..w {
+                        let (yy, u, v) = f.desc.yuv_at(bytes, x, y).unwrap();
+                        let (cx, cy) = match format {
+                            PixelFormat::Nv12 | PixelFormat::I420 => (x / 2 * 2, y / 2 * 2),
+                            PixelFormat::Yuyv | PixelFormat::Yuv422p => (x / 2 * 2, y),
+                            _ => (x, y),
+                        };
+                        let want_y = PatternSource::sample(w, h, n, x, y).0;
+                        let (_, want_u, want_v) = PatternSource::sample(w, h, n, cx, cy);
+                        assert_eq!(
+                            (yy, u, v),
+                            (want_y, want_u, want_v),
+                            "{format:?} {w}x{h} ({x}, {y})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn the_pattern_source_moves_and_signals_its_timeline() {
     for format in [
