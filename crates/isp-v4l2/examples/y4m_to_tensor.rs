@@ -14,7 +14,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let [_, input, size, out] = args.as_slice() else {
         return Err("usage: y4m_to_tensor INPUT.y4m SIZE OUT.f32".into());
     };
-    let size: usize = size.parse().map_err(|_| format!("SIZE {size:?} is not a number"))?;
+    let size: usize = size
+        .parse()
+        .map_err(|_| format!("SIZE {size:?} is not a number"))?;
     let mut source = Y4mSource::open(std::path::Path::new(input), Pacing::AsFastAsPossible)?;
     let p = Preprocess {
         width: size,

@@ -493,3 +493,64 @@ fn the_chain_describes_camera_frames() {
         "camera frames are read where the driver put them"
     );
 }
+
+/// An encoder that panics on its third image.
+struct PanickingEncoder {
+    inner: CpuEncoder,
+    seen: usize,
+}
+
+impl EncoderStage for PanickingEncoder {
+    fn name(&self) -> &'static str {
+        "panicking-encoder"
+    }
+    fn image_tokens(&self) -> usize {
+        self.inner.image_tokens()
+    }
+    fn text_hidden(&self) -> usize {
+        self.inner.text_hidden()
+    }
+    fn image_size(&self) -> usize {
+        self.inner.image_size()
+    }
+    fn encode(
+        &mut self,
+        pixels: &Arc<UnifiedBuffer>,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<(), StageError> {
+        self.seen += 1;
+        assert!(self.seen < 3, "a bug in a third-party stage");
+        self.inner.encode(pixels, out)
+    }
+}
+
+/// A stage that panics is reported as that stage's failure; its neighbours do not hang, and the
+/// frames it finished are still decoded.
+#[test]
+fn a_panicking_stage_is_a_failure_not_a_hang() {
+    let chain = Chain {
+        source: open_source("pattern:64x48@30", Pacing::AsFastAsPossible).unwrap(),
+        isp: cpu_isp(32),
+        encoder: Box::new(PanickingEncoder {
+            inner: CpuEncoder::new(tiny_tower()),
+            seen: 0,
+        }),
+        decoder: Box::new(SlowDecoder {
+            delay: Duration::ZERO,
+        }),
+    };
+    let report = pipeline::chain::run(
+        chain,
+        &RunOptions {
+            max_frames: Some(50),
+            ..RunOptions::default()
+        },
+        Arc::new(AtomicBool::new(false)),
+        |_| {},
+    )
+    .unwrap();
+    let failure = report.failure.expect("the encoder panicked");
+    assert_eq!(failure.stage, "panicking-encoder");
+    assert!(failure.error.contains("panicked"), "{}", failure.error);
+    assert_eq!(report.frames_decoded, 2);
+}

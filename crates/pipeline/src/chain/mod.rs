@@ -339,15 +339,28 @@ pub fn run(
         // Whatever ended the loop, upstream must stop waiting for this consumer.
         embed_rx.abandon();
 
-        let (source_counts, source_log, source_failure) = source_thread
-            .join()
-            .expect("the source thread returns its errors");
-        let (isp_counts, isp_log, isp_failure) = isp_thread
-            .join()
-            .expect("the ISP thread returns its errors");
-        let (encoder_counts, encoder_log, encoder_failure) = encoder_thread
-            .join()
-            .expect("the encoder thread returns its errors");
+        // A stage that panicked (a bug in its implementation) fails the run like an error;
+        // its counts and trace are lost, everything else is reported.
+        let panicked = |stage: &str| -> (Option<(String, StageError)>, TraceLog) {
+            (
+                Some((stage.to_string(), format!("{stage} panicked").into())),
+                TraceLog::new(origin, 0, "lost", false),
+            )
+        };
+        let (source_counts, source_log, source_failure) =
+            source_thread.join().unwrap_or_else(|_| {
+                let (failure, log) = panicked("source");
+                (SourceCounts::default(), log, failure)
+            });
+        let (isp_counts, isp_log, isp_failure) = isp_thread.join().unwrap_or_else(|_| {
+            let (failure, log) = panicked(&stage_names[0]);
+            (StageCounts::default(), log, failure)
+        });
+        let (encoder_counts, encoder_log, encoder_failure) =
+            encoder_thread.join().unwrap_or_else(|_| {
+                let (failure, log) = panicked(&stage_names[1]);
+                (StageCounts::default(), log, failure)
+            });
         report.frames_in = source_counts.frames_in;
         report.frames_skipped = source_counts.skipped;
         report.frames_dropped +=
