@@ -642,6 +642,8 @@ pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, E
         "camera" => Err(Error::Unsupported {
             what: "V4L2 camera capture needs isp-v4l2's feature `v4l2` (build with --features isp-v4l2/v4l2); use pattern: or file:",
         }),
-        other => Err(bad(&format!("unknown source kind {other}"))),
+        other => Err(bad(&format!(
+            "unknown source kind {other:?}: use pattern:WxH@FPS, file:PATH or camera:/dev/videoN"
+        ))),
     }
 }

@@ -554,3 +554,36 @@ fn a_panicking_stage_is_a_failure_not_a_hang() {
     assert!(failure.error.contains("panicked"), "{}", failure.error);
     assert_eq!(report.frames_decoded, 2);
 }
+
+/// Bad descriptions are clear errors before anything runs: an unknown TOML key (named, with the
+/// file), an unknown source kind, a model that is not there.
+#[test]
+fn bad_chain_descriptions_are_clear_errors() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let config = dir.join("bad-chain.toml");
+    std::fs::write(&config, "source = \"pattern:64x48@30\"\nbogus = 1\n").unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .arg("run")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run(&["--config", config.to_str().unwrap()]);
+    assert!(
+        err.contains("bogus") && err.contains("bad-chain.toml"),
+        "{err}"
+    );
+    let model = tiny_vlm();
+    let err = run(&["--source", "nope:x", "--model", model.to_str().unwrap()]);
+    assert!(err.contains("unknown source kind"), "{err}");
+    let err = run(&[
+        "--source",
+        "pattern:64x48@30",
+        "--model",
+        "/nonexistent.gguf",
+    ]);
+    assert!(err.contains("/nonexistent.gguf"), "{err}");
+}
