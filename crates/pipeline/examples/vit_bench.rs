@@ -3,7 +3,9 @@
 //! minimum milliseconds per image over the timed runs, TFLOP/s at the median, and the device.
 //!
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
-//! [small|blocked|register|coop] [per-query|tiled]` (the last two pick the GEMM and attention kernels)
+//! [small|blocked|register|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
+//! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
+//! `TIMESTAMP_QUERY_INSIDE_PASSES`)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -74,6 +76,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pixels: Vec<f32> = (0..3 * s * s)
         .map(|i| ((i % 255) as f32 / 127.5) - 1.0)
         .collect();
+    let profile = args.get(6).is_some_and(|a| a == "profile");
+    let mut kernel_ms: Option<serde_json::Map<String, serde_json::Value>> = None;
     let mut times = Vec::with_capacity(iters);
     let device_name;
     match backend {
@@ -94,7 +98,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let adapter = pollster::block_on(instance.request_adapter(&Default::default()))?;
             device_name = adapter.get_info().name;
             // The adapter's limits, and its cooperative-matrix features when it has them.
-            let (desc, _) = pipeline::vision_gpu::device_descriptor(&adapter);
+            let (mut desc, _) = pipeline::vision_gpu::device_descriptor(&adapter);
+            let stamps =
+                wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+            let profile = profile && adapter.features().contains(stamps);
+            if profile {
+                desc.required_features |= stamps;
+            }
             let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
             let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options)?;
             let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
@@ -116,6 +126,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 device.poll(wgpu::PollType::wait_indefinitely())?;
                 times.push(t.elapsed().as_secs_f64() * 1e3);
             }
+            if profile {
+                kernel_ms = Some(profile_one(&device, &queue, &gpu, &input, &output)?);
+            }
         }
         other => return Err(format!("unknown backend {other}: gpu or cpu").into()),
     }
@@ -134,7 +147,61 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "min_ms": times[0],
             "gflop_per_image": cpu.flops() / 1e9,
             "tflops_at_median": cpu.flops() / (median * 1e-3) / 1e12,
+            "kernel_ms": kernel_ms,
         })
     );
     Ok(())
+}
+
+/// One image with a timestamp after every dispatch: milliseconds per kernel, summed over its
+/// dispatches, plus `gaps` (time between dispatches: barriers and launch).
+fn profile_one(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    gpu: &pipeline::vision_gpu::GpuVisionEncoder,
+    input: &wgpu::Buffer,
+    output: &wgpu::Buffer,
+) -> Result<serde_json::Map<String, serde_json::Value>, Box<dyn std::error::Error>> {
+    let kernels = gpu.dispatch_kernels();
+    let count = kernels.len() as u32 + 1;
+    let set = device.create_query_set(&wgpu::QuerySetDescriptor {
+        label: Some("profile"),
+        ty: wgpu::QueryType::Timestamp,
+        count,
+    });
+    let bytes = u64::from(count) * 8;
+    let resolve = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("timestamps"),
+        size: bytes,
+        usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let readback = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("timestamps readback"),
+        size: bytes,
+        usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ,
+        mapped_at_creation: false,
+    });
+    let mut encoder = device.create_command_encoder(&Default::default());
+    gpu.record_profiled(device, &mut encoder, input, output, Some(&set));
+    encoder.resolve_query_set(&set, 0..count, &resolve, 0);
+    encoder.copy_buffer_to_buffer(&resolve, 0, &readback, 0, bytes);
+    queue.submit([encoder.finish()]);
+    readback.slice(..).map_async(wgpu::MapMode::Read, |_| {});
+    device.poll(wgpu::PollType::wait_indefinitely())?;
+    let data = readback
+        .slice(..)
+        .get_mapped_range()
+        .map_err(|e| format!("reading timestamps: {e:?}"))?;
+    let ticks: Vec<u64> = bytemuck::cast_slice::<u8, u64>(&data).to_vec();
+    let period = f64::from(queue.get_timestamp_period());
+    let mut totals = serde_json::Map::new();
+    for (i, name) in kernels.iter().enumerate() {
+        let ms = ticks[i + 1].saturating_sub(ticks[i]) as f64 * period / 1e6;
+        let entry = totals.entry(name.to_string()).or_insert(0.0.into());
+        *entry = (entry.as_f64().unwrap_or(0.0) + ms).into();
+    }
+    let total = ticks[kernels.len()].saturating_sub(ticks[0]) as f64 * period / 1e6;
+    totals.insert("total".into(), total.into());
+    Ok(totals)
 }

@@ -59,6 +59,16 @@ pub struct GpuVisionEncoder {
     projection_params: wgpu::Buffer,
     shuffle_bind: wgpu::BindGroup,
     dummy_bias: wgpu::Buffer,
+    /// The connector's projection on tensor cores, when the coop path runs and its sizes fit.
+    coop_projection: Option<CoopProjection>,
+}
+
+/// What the connector's projection needs on the coop path: its f16 weight, the f16 input
+/// scratch and the conversion's length.
+struct CoopProjection {
+    w16: wgpu::Buffer,
+    x16: wgpu::Buffer,
+    len: wgpu::Buffer,
 }
 
 impl std::fmt::Debug for GpuVisionEncoder {
@@ -82,7 +92,26 @@ const LINEAR_REG: usize = 8;
 // Present only when the device runs the cooperative-matrix module (`GemmKernel::Coop`).
 const TO_F16: usize = 9;
 const LINEAR_COOP: usize = 10;
+/// A `linear` flag on the Rust side only: the input is the previous GEMM's, so its f16 copy
+/// (coop path) is already in place.
+const SAME_INPUT: u32 = 1 << 8;
 const ATTENTION_COOP: usize = 11;
+
+/// Entry point of each pipeline index, for profiles.
+const KERNEL_NAMES: [&str; 12] = [
+    "linear",
+    "layer_norm",
+    "attention",
+    "im2col",
+    "add",
+    "pixel_shuffle",
+    "attention_tiled",
+    "linear_small",
+    "linear_reg",
+    "to_f16",
+    "linear_coop",
+    "attention_coop",
+];
 
 /// The tensor-core kernels (vit_coop.wgsl).
 const COOP_SHADER: &str = include_str!("shaders/vit_coop.wgsl");
@@ -391,19 +420,22 @@ impl GpuVisionEncoder {
                       y: &wgpu::Buffer,
                       (m, nn, kk): (usize, usize, usize),
                       flags: u32| {
-            let flags = flags | u32::from(b.is_some());
+            let reuse = flags & SAME_INPUT != 0;
+            let flags = (flags & !SAME_INPUT) | u32::from(b.is_some());
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
             if let (Some(w16), Some(x16)) = (w16, &x16)
                 && m.is_multiple_of(32)
                 && nn.is_multiple_of(32)
                 && kk.is_multiple_of(16)
             {
-                let len = uniform(&[(m * kk) as u32, 0, 0, 0]);
-                body.push(Dispatch {
-                    pipeline: TO_F16,
-                    bind: bind(TO_F16, &[x, x16, &len]),
-                    groups: groups_1d((m * kk) as u32),
-                });
+                if !reuse {
+                    let len = uniform(&[(m * kk) as u32, 0, 0, 0]);
+                    body.push(Dispatch {
+                        pipeline: TO_F16,
+                        bind: bind(TO_F16, &[x, x16, &len]),
+                        groups: groups_1d((m * kk) as u32),
+                    });
+                }
                 body.push(Dispatch {
                     pipeline: LINEAR_COOP,
                     bind: bind(
@@ -490,8 +522,9 @@ impl GpuVisionEncoder {
             let (f2w, f2b) = lin("fc2", &l.fc2);
             norm(&mut body, &x, (&ln1w, &ln1b), &xn);
             linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
-            linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), 0);
-            linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), 0);
+            // K and V read the same input as Q: its f16 copy is already made.
+            linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), SAME_INPUT);
+            linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), SAME_INPUT);
             if let Some((q16, k16, v16)) = &qkv16 {
                 for (src, dst) in [(&q, q16), (&k, k16), (&v, v16)] {
                     body.push(Dispatch {
@@ -549,7 +582,14 @@ impl GpuVisionEncoder {
         norm(&mut body, &x, (&pw, &pb), &vision_out);
         let shuffle_params = uniform(&[side as u32, h as u32, c.scale_factor as u32, 0]);
         let shuffle_bind = bind(SHUFFLE, &[&vision_out, &shuffled, &shuffle_params]);
-        let projection = upload("projection", cpu.projection.data());
+        let (projection, projection16) = weight("projection", &cpu.projection);
+        let coop_projection = projection16.filter(|_| {
+            tokens.is_multiple_of(32)
+                && c.text_hidden.is_multiple_of(32)
+                && (h * f2).is_multiple_of(16)
+                && tokens * h * f2 <= n * c.intermediate.max(pp).max(h)
+        });
+        let shuffled_len = uniform(&[(tokens * h * f2) as u32, 0, 0, 0]);
         let projection_params = uniform(&[tokens as u32, c.text_hidden as u32, (h * f2) as u32, 0]);
         let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);
         Ok(GpuVisionEncoder {
@@ -561,6 +601,11 @@ impl GpuVisionEncoder {
             vision_out,
             shuffled,
             projection,
+            coop_projection: coop_projection.zip(x16).map(|(w16, x16)| CoopProjection {
+                w16,
+                x16,
+                len: shuffled_len,
+            }),
             im2col_params,
             projection_params,
             shuffle_bind,
@@ -593,6 +638,41 @@ impl GpuVisionEncoder {
         pixels: &wgpu::Buffer,
         out: &wgpu::Buffer,
     ) {
+        self.record_profiled(device, encoder, pixels, out, None);
+    }
+
+    /// The kernel each dispatch of [`GpuVisionEncoder::record`] runs, in order.
+    pub fn dispatch_kernels(&self) -> Vec<&'static str> {
+        let c = &self.config;
+        let (linear, _) = self
+            .options
+            .gemm
+            .pipeline_for(c.hidden * c.scale_factor * c.scale_factor);
+        let projection: &[usize] = if self.coop_projection.is_some() {
+            &[TO_F16, LINEAR_COOP]
+        } else {
+            &[linear]
+        };
+        std::iter::once(IM2COL)
+            .chain(self.body.iter().map(|d| d.pipeline))
+            .chain(std::iter::once(SHUFFLE))
+            .chain(projection.iter().copied())
+            .map(|p| KERNEL_NAMES[p])
+            .collect()
+    }
+
+    /// [`GpuVisionEncoder::record`], writing a timestamp into `timestamps` (a query set of at
+    /// least `dispatch_kernels().len() + 1` entries, on a device with
+    /// `TIMESTAMP_QUERY_INSIDE_PASSES`) before the first dispatch and after each one: dispatch
+    /// `i` ran from timestamp `i` to `i + 1`.
+    pub fn record_profiled(
+        &self,
+        device: &wgpu::Device,
+        encoder: &mut wgpu::CommandEncoder,
+        pixels: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        timestamps: Option<&wgpu::QuerySet>,
+    ) {
         let c = &self.config;
         let side = c.patches_per_side();
         let n = side * side;
@@ -603,24 +683,68 @@ impl GpuVisionEncoder {
         let im2col = bind(IM2COL, &[pixels, &self.patches, &self.im2col_params]);
         let f2 = c.scale_factor * c.scale_factor;
         let (linear, tile) = self.options.gemm.pipeline_for(c.hidden * f2);
-        let project = bind(
-            linear,
-            &[
-                &self.shuffled,
-                &self.projection,
-                &self.dummy_bias,
-                out,
-                &self.projection_params,
+        // The connector's projection: on tensor cores (convert, then multiply) or in f32.
+        let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.coop_projection {
+            Some(cp) => vec![
+                (
+                    TO_F16,
+                    bind(TO_F16, &[&self.shuffled, &cp.x16, &cp.len]),
+                    groups_1d((c.image_tokens() * c.hidden * f2) as u32),
+                ),
+                (
+                    LINEAR_COOP,
+                    bind(
+                        LINEAR_COOP,
+                        &[
+                            &cp.x16,
+                            &cp.w16,
+                            &self.dummy_bias,
+                            out,
+                            &self.projection_params,
+                        ],
+                    ),
+                    (
+                        (c.text_hidden / 32) as u32,
+                        (c.image_tokens() / 32) as u32,
+                        1,
+                    ),
+                ),
             ],
-        );
+            None => vec![(
+                linear,
+                bind(
+                    linear,
+                    &[
+                        &self.shuffled,
+                        &self.projection,
+                        &self.dummy_bias,
+                        out,
+                        &self.projection_params,
+                    ],
+                ),
+                (
+                    (c.text_hidden as u32).div_ceil(tile),
+                    (c.image_tokens() as u32).div_ceil(tile),
+                    1,
+                ),
+            )],
+        };
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("vision encoder"),
             timestamp_writes: None,
         });
+        if let Some(q) = timestamps {
+            pass.write_timestamp(q, 0);
+        }
+        let mut written = 0;
         let mut run = |pipeline: usize, bind: &wgpu::BindGroup, (x, y, z): (u32, u32, u32)| {
             pass.set_pipeline(&self.pipelines[pipeline]);
             pass.set_bind_group(0, bind, &[]);
             pass.dispatch_workgroups(x, y, z);
+            if let Some(q) = timestamps {
+                written += 1;
+                pass.write_timestamp(q, written);
+            }
         };
         run(IM2COL, &im2col, groups_1d((n * pp) as u32));
         for d in &self.body {
@@ -631,14 +755,8 @@ impl GpuVisionEncoder {
             &self.shuffle_bind,
             groups_1d((c.image_tokens() * c.hidden * f2) as u32),
         );
-        run(
-            linear,
-            &project,
-            (
-                (c.text_hidden as u32).div_ceil(tile),
-                (c.image_tokens() as u32).div_ceil(tile),
-                1,
-            ),
-        );
+        for (pipeline, bind, groups) in &project {
+            run(*pipeline, bind, *groups);
+        }
     }
 }

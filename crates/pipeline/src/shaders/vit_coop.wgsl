@@ -101,6 +101,7 @@ var<workgroup> z_ws: array<f32, 256>;  // never written: zero accumulators load 
 var<workgroup> m_ws: array<f32, 16>;
 var<workgroup> l_ws: array<f32, 16>;
 var<workgroup> a_ws: array<f32, 16>;
+var<workgroup> part: array<f32, 32>;
 
 // P V for the 16-wide column tile `dt` of the head: the four 16-key slices of P (already
 // loaded) times the matching rows of V.
@@ -149,22 +150,30 @@ fn attention_coop(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_
         coopStoreT(s2, &s_ws[32], 64u);
         coopStoreT(s3, &s_ws[48], 64u);
         workgroupBarrier();
-        if (lid < 16u) {
-            let r = lid;
-            var mx = m_ws[r];
-            for (var j = 0u; j < 64u; j++) {
-                mx = max(mx, s_ws[r * 64u + j] * ap.scale);
-            }
-            var sum = 0.0;
-            for (var j = 0u; j < 64u; j++) {
-                let p = exp(s_ws[r * 64u + j] * ap.scale - mx);
-                sum += p;
-                p_ws[r * 64u + j] = f16(p);
-            }
-            let alpha = exp(m_ws[r] - mx);
+        // Online softmax, two lanes per query row (32 keys each), partials through `part`.
+        let r = lid / 2u;
+        let base = r * 64u + (lid % 2u) * 32u;
+        var mx = -3.0e38;
+        for (var j = 0u; j < 32u; j++) {
+            mx = max(mx, s_ws[base + j] * ap.scale);
+        }
+        part[lid] = mx;
+        workgroupBarrier();
+        let m_new = max(m_ws[r], max(part[r * 2u], part[r * 2u + 1u]));
+        workgroupBarrier();
+        var sum = 0.0;
+        for (var j = 0u; j < 32u; j++) {
+            let p = exp(s_ws[base + j] * ap.scale - m_new);
+            sum += p;
+            p_ws[base + j] = f16(p);
+        }
+        part[lid] = sum;
+        workgroupBarrier();
+        if (lid % 2u == 0u) {
+            let alpha = exp(m_ws[r] - m_new);
             a_ws[r] = alpha;
-            l_ws[r] = l_ws[r] * alpha + sum;
-            m_ws[r] = mx;
+            l_ws[r] = l_ws[r] * alpha + part[lid] + part[lid + 1u];
+            m_ws[r] = m_new;
         }
         workgroupBarrier();
         let p0 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[0], 64u);
