@@ -18,6 +18,16 @@ use pipeline::chain::{
 use pipeline::vision::{VisionConfig, VisionEncoder};
 use uvm_alloc::UnifiedBuffer;
 
+/// The copy ledger is process-wide: the in-process tests that copy (the CPU encoder moves its
+/// result into the ring) must not run while the zero-copy test reads the ledger.
+static LEDGER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn ledger_lock() -> std::sync::MutexGuard<'static, ()> {
+    LEDGER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
 }
@@ -51,6 +61,7 @@ fn ci() -> bool {
 /// decoder and the copy ledger records nothing.
 #[test]
 fn the_gpu_chain_decodes_every_sampled_frame_with_zero_copies() {
+    let _ledger = ledger_lock();
     let dir = tiny_vlm();
     let spec = ChainSpec {
         source: Some("pattern:160x120@30".into()),
@@ -283,6 +294,7 @@ impl EncoderStage for FailingEncoder {
 
 #[test]
 fn a_failing_stage_stops_the_chain_and_keeps_the_replies_before_it() {
+    let _ledger = ledger_lock();
     let chain = Chain {
         source: open_source("pattern:64x48@30", Pacing::AsFastAsPossible).unwrap(),
         isp: cpu_isp(32),
@@ -324,6 +336,7 @@ fn a_failing_stage_stops_the_chain_and_keeps_the_replies_before_it() {
 
 #[test]
 fn a_live_source_drops_old_frames_and_the_newest_wins() {
+    let _ledger = ledger_lock();
     let source =
         isp_v4l2::PatternSource::new(64, 48, PixelFormat::Nv12, 1000.0, Pacing::RealTime, None)
             .unwrap();
@@ -528,6 +541,7 @@ impl EncoderStage for PanickingEncoder {
 /// frames it finished are still decoded.
 #[test]
 fn a_panicking_stage_is_a_failure_not_a_hang() {
+    let _ledger = ledger_lock();
     let chain = Chain {
         source: open_source("pattern:64x48@30", Pacing::AsFastAsPossible).unwrap(),
         isp: cpu_isp(32),
