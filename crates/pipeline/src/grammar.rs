@@ -691,6 +691,31 @@ impl Grammar {
 ///
 /// # Errors
 /// As [`Grammar::mask`].
+/// The grammar a user asked for on the command line or in a chain file: a regular expression or
+/// a JSON schema file (not both; neither is `None`), over `tokenizer`'s token bytes.
+///
+/// # Errors
+/// Both given, an unreadable or invalid schema file, or a [`GrammarError`].
+pub fn from_request(
+    regex: Option<&str>,
+    json_schema: Option<&std::path::Path>,
+    tokenizer: &crate::model::tokenizer::Tokenizer,
+) -> Result<Option<Grammar>, Box<dyn std::error::Error + Send + Sync>> {
+    let grammar = match (regex, json_schema) {
+        (None, None) => return Ok(None),
+        (Some(_), Some(_)) => return Err("pass --regex or --json-schema, not both".into()),
+        (Some(pattern), None) => Grammar::regex(pattern, &TokenVocab::from_tokenizer(tokenizer)?)?,
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let schema: Value =
+                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+            Grammar::json_schema(&schema, &TokenVocab::from_tokenizer(tokenizer)?)?
+        }
+    };
+    Ok(Some(grammar))
+}
+
 pub fn constrain(
     grammar: &Grammar,
     state: GrammarState,

@@ -52,6 +52,31 @@ pub fn open_decoder_on(
     Ok((decoder, tokenizer))
 }
 
+/// KV page storage by name: `f32`, `f16`, `bf16`, `mxfp8` or `mxfp4`.
+pub fn parse_kv_dtype(name: &str) -> Result<kv_paged::PageDtype, DecodeError> {
+    use kv_paged::PageDtype::*;
+    Ok(match name {
+        "f32" => F32,
+        "f16" => F16,
+        "bf16" => Bf16,
+        "mxfp8" => Mxfp8,
+        "mxfp4" => Mxfp4,
+        other => {
+            return Err(DecodeError::BadInput(format!(
+                "KV storage {other:?}: use f32, f16, bf16, mxfp8 or mxfp4"
+            )));
+        }
+    })
+}
+
+/// Where converted weights are cached unless the user says otherwise: beside the model.
+pub fn default_cache_dir(model: &Path) -> std::path::PathBuf {
+    match model.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    }
+}
+
 /// The converted-weight cache for `model` under `policy`, kept in `dir` (see
 /// [`crate::mxcache`]); `None` when the model file cannot be stat'ed.
 pub fn cache_spec(

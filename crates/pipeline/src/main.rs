@@ -435,25 +435,15 @@ impl ModelArgs {
         ),
         Box<dyn std::error::Error>,
     > {
-        let kv_dtype = match self.kv.as_str() {
-            "f32" => kv_paged::PageDtype::F32,
-            "f16" => kv_paged::PageDtype::F16,
-            "bf16" => kv_paged::PageDtype::Bf16,
-            "mxfp8" => kv_paged::PageDtype::Mxfp8,
-            "mxfp4" => kv_paged::PageDtype::Mxfp4,
-            other => return Err(format!("--kv {other}: use f32, f16, bf16, mxfp8 or mxfp4").into()),
-        };
+        let kv_dtype = pipeline::llm::parse_kv_dtype(&self.kv)?;
         let policy = pipeline::decoder::WeightPolicy::parse(&self.policy)?;
         let cache = if self.no_cache {
             None
         } else {
-            let dir = match &self.cache_dir {
-                Some(d) => d.clone(),
-                None => match self.model.parent() {
-                    Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-                    _ => PathBuf::from("."),
-                },
-            };
+            let dir = self
+                .cache_dir
+                .clone()
+                .unwrap_or_else(|| pipeline::llm::default_cache_dir(&self.model));
             pipeline::llm::cache_spec(&self.model, &dir, &policy)
         };
         let options = pipeline::decoder::DecoderOptions {
@@ -587,24 +577,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             json_schema,
         } => {
             let (mut decoder, tokenizer) = model.open(1)?;
-            let grammar = match (&regex, &json_schema, &tokenizer) {
-                (None, None, _) => None,
-                (_, _, None) => {
+            let grammar = match (&tokenizer, regex.is_some() || json_schema.is_some()) {
+                (_, false) => None,
+                (None, true) => {
                     return Err("a grammar needs the model's tokenizer (its token bytes)".into());
                 }
-                (Some(r), _, Some(tok)) => Some(pipeline::grammar::Grammar::regex(
-                    r,
-                    &pipeline::grammar::TokenVocab::from_tokenizer(tok)?,
-                )?),
-                (None, Some(path), Some(tok)) => {
-                    let text = std::fs::read_to_string(path)
-                        .map_err(|e| format!("reading {}: {e}", path.display()))?;
-                    let schema: serde_json::Value = serde_json::from_str(&text)
-                        .map_err(|e| format!("{}: {e}", path.display()))?;
-                    Some(pipeline::grammar::Grammar::json_schema(
-                        &schema,
-                        &pipeline::grammar::TokenVocab::from_tokenizer(tok)?,
-                    )?)
+                (Some(tok), true) => {
+                    pipeline::grammar::from_request(regex.as_deref(), json_schema.as_deref(), tok)
+                        .map_err(|e| e.to_string())?
                 }
             };
             let ids = match (&prompt_ids, &prompt) {
@@ -892,17 +872,12 @@ fn encode_on_gpu(
     stage: StageArg,
 ) -> Result<(Vec<f32>, Vec<u64>), Box<dyn std::error::Error>> {
     use std::sync::Arc;
-    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
-    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends: wgpu::Backends::VULKAN,
-        ..wgpu::InstanceDescriptor::new_without_display_handle()
-    });
-    let adapter =
-        pollster::block_on(instance.request_adapter(&Default::default())).map_err(|e| {
-            format!("no Vulkan adapter ({e}); install a Vulkan driver or pass --backend cpu")
-        })?;
-    let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default())?;
-    let gpu = pipeline::vision_gpu::GpuVisionEncoder::new(&device, cpu)?;
+    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer};
+    // The same device, features and kernel choice the chain's GPU stages use.
+    let context = pipeline::chain::GpuContext::open().map_err(|e| e.to_string())?;
+    let (device, queue, caps) = (&context.device, &context.queue, &context.caps);
+    let gpu =
+        pipeline::vision_gpu::GpuVisionEncoder::with_options(device, cpu, context.vision_options)?;
     let allocator = uvm_alloc::Allocator::new(Default::default())?;
     let input = allocator.allocate(values.len() * 4)?;
     input
@@ -911,10 +886,10 @@ fn encode_on_gpu(
         .copy_from_slice(values);
     let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize)?);
     let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-    let input_gpu = import_wgpu_buffer(&device, &caps, Arc::new(input), usage, None)?;
-    let output_gpu = import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None)?;
+    let input_gpu = import_wgpu_buffer(device, caps, Arc::new(input), usage, None)?;
+    let output_gpu = import_wgpu_buffer(device, caps, Arc::clone(&output), usage, None)?;
     let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+    gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
     let c = gpu.config().clone();
     let vision_elems = c.patches_per_side().pow(2) * c.hidden;
     // The vision stage's output stays in device memory; copying it out is the one transfer this
@@ -937,7 +912,7 @@ fn encode_on_gpu(
             .stage("vision-readback")
             .record(vision_elems * 4);
     }
-    queue.submit([encoder.finish(), host_read_barrier(&device)?]);
+    queue.submit([encoder.finish(), host_read_barrier(device)?]);
     device.poll(wgpu::PollType::wait_indefinitely())?;
     Ok(match stage {
         StageArg::Connector => {

@@ -58,7 +58,8 @@ pub struct GpuVisionEncoder {
     im2col_params: wgpu::Buffer,
     projection_params: wgpu::Buffer,
     shuffle_bind: wgpu::BindGroup,
-    dummy_bias: wgpu::Buffer,
+    /// Bound in the bias slot of GEMMs without a bias; their flag leaves it unread.
+    no_bias: wgpu::Buffer,
     /// The connector's projection on tensor cores, when the coop path runs and its sizes fit.
     coop_projection: Option<CoopProjection>,
 }
@@ -287,10 +288,6 @@ impl GpuVisionEncoder {
             n * c.intermediate.max(3 * c.patch_size * c.patch_size),
         )?;
         check("the connector input", n * h)?;
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("vit"),
-            source: wgpu::ShaderSource::Wgsl(SHADER.into()),
-        });
         let coop = options.gemm == GemmKernel::Coop;
         if coop
             && !device.features().contains(
@@ -302,36 +299,16 @@ impl GpuVisionEncoder {
                  EXPERIMENTAL_COOPERATIVE_MATRIX (see vision_gpu::coop_features)",
             ));
         }
-        let mut pipelines: Vec<wgpu::ComputePipeline> = [
-            "linear",
-            "layer_norm",
-            "attention",
-            "im2col",
-            "add",
-            "pixel_shuffle",
-            "attention_tiled",
-            "linear_small",
-            "linear_reg",
-        ]
-        .iter()
-        .map(|entry| {
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: None,
-                module: &module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        })
-        .collect();
-        if coop {
+        // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points first, then
+        // (coop only) the tensor-core module's.
+        let build = |label: &str, source: &str, entries: &[&str]| {
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some("vit coop"),
-                source: wgpu::ShaderSource::Wgsl(COOP_SHADER.into()),
+                label: Some(label),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
             });
-            for entry in ["to_f16", "linear_coop", "attention_coop"] {
-                pipelines.push(
+            entries
+                .iter()
+                .map(|entry| {
                     device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                         label: Some(entry),
                         layout: None,
@@ -339,11 +316,14 @@ impl GpuVisionEncoder {
                         entry_point: Some(entry),
                         compilation_options: Default::default(),
                         cache: None,
-                    }),
-                );
-            }
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut pipelines = build("vit", SHADER, &KERNEL_NAMES[..TO_F16]);
+        if coop {
+            pipelines.extend(build("vit coop", COOP_SHADER, &KERNEL_NAMES[TO_F16..]));
         }
-        let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(label),
@@ -370,7 +350,7 @@ impl GpuVisionEncoder {
         let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
             bind_buffers(device, &pipelines[pipeline], buffers)
         };
-        let dummy_bias = upload("no bias", &[0.0]);
+        let no_bias = upload("no bias", &[0.0]);
         let pp = 3 * c.patch_size * c.patch_size;
         let patches = scratch("patches", n * pp);
         let x = scratch("x", n * h);
@@ -438,10 +418,7 @@ impl GpuVisionEncoder {
                 }
                 body.push(Dispatch {
                     pipeline: LINEAR_COOP,
-                    bind: bind(
-                        LINEAR_COOP,
-                        &[x16, w16, b.unwrap_or(&dummy_bias), y, &params],
-                    ),
+                    bind: bind(LINEAR_COOP, &[x16, w16, b.unwrap_or(&no_bias), y, &params]),
                     groups: ((nn / 32) as u32, (m / 32) as u32, 1),
                 });
                 return;
@@ -449,7 +426,7 @@ impl GpuVisionEncoder {
             let (pipeline, tile) = options.gemm.pipeline_for(kk);
             body.push(Dispatch {
                 pipeline,
-                bind: bind(pipeline, &[x, w, b.unwrap_or(&dummy_bias), y, &params]),
+                bind: bind(pipeline, &[x, w, b.unwrap_or(&no_bias), y, &params]),
                 groups: ((nn as u32).div_ceil(tile), (m as u32).div_ceil(tile), 1),
             });
         };
@@ -609,7 +586,7 @@ impl GpuVisionEncoder {
             im2col_params,
             projection_params,
             shuffle_bind,
-            dummy_bias,
+            no_bias,
         })
     }
 
@@ -698,7 +675,7 @@ impl GpuVisionEncoder {
                         &[
                             &cp.x16,
                             &cp.w16,
-                            &self.dummy_bias,
+                            &self.no_bias,
                             out,
                             &self.projection_params,
                         ],
@@ -717,7 +694,7 @@ impl GpuVisionEncoder {
                     &[
                         &self.shuffled,
                         &self.projection,
-                        &self.dummy_bias,
+                        &self.no_bias,
                         out,
                         &self.projection_params,
                     ],

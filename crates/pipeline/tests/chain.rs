@@ -259,16 +259,37 @@ impl DecoderStage for SlowDecoder {
     }
 }
 
-/// An encoder that fails on its `fail_at`-th image.
-struct FailingEncoder {
-    inner: CpuEncoder,
-    seen: usize,
-    fail_at: usize,
+/// How [`FaultyEncoder`] breaks on its `at`-th image.
+#[derive(Clone, Copy)]
+enum Fault {
+    /// Returns an error, as a device that went away would.
+    Error,
+    /// Panics, as a buggy third-party stage would.
+    Panic,
 }
 
-impl EncoderStage for FailingEncoder {
+/// The CPU encoder until its `at`-th image, then `fault`.
+struct FaultyEncoder {
+    inner: CpuEncoder,
+    seen: usize,
+    at: usize,
+    fault: Fault,
+}
+
+impl FaultyEncoder {
+    fn new(at: usize, fault: Fault) -> FaultyEncoder {
+        FaultyEncoder {
+            inner: CpuEncoder::new(tiny_tower()),
+            seen: 0,
+            at,
+            fault,
+        }
+    }
+}
+
+impl EncoderStage for FaultyEncoder {
     fn name(&self) -> &'static str {
-        "failing-encoder"
+        "faulty-encoder"
     }
     fn image_tokens(&self) -> usize {
         self.inner.image_tokens()
@@ -285,24 +306,22 @@ impl EncoderStage for FailingEncoder {
         out: &Arc<UnifiedBuffer>,
     ) -> Result<(), StageError> {
         self.seen += 1;
-        if self.seen == self.fail_at {
-            return Err("the device went away".into());
+        if self.seen == self.at {
+            match self.fault {
+                Fault::Error => return Err("the device went away".into()),
+                Fault::Panic => panic!("a bug in a third-party stage"),
+            }
         }
         self.inner.encode(pixels, out)
     }
 }
 
-#[test]
-fn a_failing_stage_stops_the_chain_and_keeps_the_replies_before_it() {
-    let _ledger = ledger_lock();
+/// Runs a CPU chain over 50 pattern frames with `encoder`, noting the frames decoded.
+fn run_with_encoder(encoder: FaultyEncoder) -> (pipeline::chain::RunReport, Vec<u64>) {
     let chain = Chain {
         source: open_source("pattern:64x48@30", Pacing::AsFastAsPossible).unwrap(),
         isp: cpu_isp(32),
-        encoder: Box::new(FailingEncoder {
-            inner: CpuEncoder::new(tiny_tower()),
-            seen: 0,
-            fail_at: 3,
-        }),
+        encoder: Box::new(encoder),
         decoder: Box::new(SlowDecoder {
             delay: Duration::ZERO,
         }),
@@ -322,8 +341,15 @@ fn a_failing_stage_stops_the_chain_and_keeps_the_replies_before_it() {
         },
     )
     .unwrap();
+    (report, done)
+}
+
+#[test]
+fn a_failing_stage_stops_the_chain_and_keeps_the_replies_before_it() {
+    let _ledger = ledger_lock();
+    let (report, done) = run_with_encoder(FaultyEncoder::new(3, Fault::Error));
     let failure = report.failure.expect("the encoder failed");
-    assert_eq!(failure.stage, "failing-encoder");
+    assert_eq!(failure.stage, "faulty-encoder");
     assert!(failure.error.contains("went away"), "{}", failure.error);
     assert_eq!(
         done,
@@ -507,65 +533,16 @@ fn the_chain_describes_camera_frames() {
     );
 }
 
-/// An encoder that panics on its third image.
-struct PanickingEncoder {
-    inner: CpuEncoder,
-    seen: usize,
-}
-
-impl EncoderStage for PanickingEncoder {
-    fn name(&self) -> &'static str {
-        "panicking-encoder"
-    }
-    fn image_tokens(&self) -> usize {
-        self.inner.image_tokens()
-    }
-    fn text_hidden(&self) -> usize {
-        self.inner.text_hidden()
-    }
-    fn image_size(&self) -> usize {
-        self.inner.image_size()
-    }
-    fn encode(
-        &mut self,
-        pixels: &Arc<UnifiedBuffer>,
-        out: &Arc<UnifiedBuffer>,
-    ) -> Result<(), StageError> {
-        self.seen += 1;
-        assert!(self.seen < 3, "a bug in a third-party stage");
-        self.inner.encode(pixels, out)
-    }
-}
-
 /// A stage that panics is reported as that stage's failure; its neighbours do not hang, and the
 /// frames it finished are still decoded.
 #[test]
 fn a_panicking_stage_is_a_failure_not_a_hang() {
     let _ledger = ledger_lock();
-    let chain = Chain {
-        source: open_source("pattern:64x48@30", Pacing::AsFastAsPossible).unwrap(),
-        isp: cpu_isp(32),
-        encoder: Box::new(PanickingEncoder {
-            inner: CpuEncoder::new(tiny_tower()),
-            seen: 0,
-        }),
-        decoder: Box::new(SlowDecoder {
-            delay: Duration::ZERO,
-        }),
-    };
-    let report = pipeline::chain::run(
-        chain,
-        &RunOptions {
-            max_frames: Some(50),
-            ..RunOptions::default()
-        },
-        Arc::new(AtomicBool::new(false)),
-        |_| {},
-    )
-    .unwrap();
+    let (report, done) = run_with_encoder(FaultyEncoder::new(3, Fault::Panic));
     let failure = report.failure.expect("the encoder panicked");
-    assert_eq!(failure.stage, "panicking-encoder");
+    assert_eq!(failure.stage, "faulty-encoder");
     assert!(failure.error.contains("panicked"), "{}", failure.error);
+    assert_eq!(done, [0, 1]);
     assert_eq!(report.frames_decoded, 2);
 }
 

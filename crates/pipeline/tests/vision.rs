@@ -28,6 +28,59 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
+/// The first Vulkan adapter. Without one the GPU tests fail under `CI=true` (CI must run them
+/// for real) and otherwise print a visible skip.
+fn vulkan_adapter() -> Option<wgpu::Adapter> {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    });
+    let adapter = pollster::block_on(instance.request_adapter(&Default::default())).ok();
+    if adapter.is_none() {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        assert!(
+            !ci,
+            "no Vulkan adapter: CI must run the GPU encoder for real"
+        );
+        eprintln!("\nSKIPPED (no Vulkan adapter)\n");
+    }
+    adapter
+}
+
+/// Encodes `pixels` with `gpu`: image and output are unified buffers imported as-is, and the
+/// connector's output is read where the GPU wrote it.
+fn encode_on_gpu(
+    (device, queue, caps): &(wgpu::Device, wgpu::Queue, uvm_alloc::vulkan::ImportCaps),
+    gpu: &pipeline::vision_gpu::GpuVisionEncoder,
+    pixels: &[f32],
+) -> Vec<f32> {
+    use std::sync::Arc;
+    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer};
+    use uvm_alloc::{Access, Allocator, AllocatorDesc};
+    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
+    let input = allocator.allocate(pixels.len() * 4).unwrap();
+    input
+        .cpu_access(0..pixels.len() * 4, Access::Write)
+        .unwrap()
+        .typed_mut::<f32>()
+        .unwrap()
+        .copy_from_slice(pixels);
+    let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
+    let usage = wgpu::BufferUsages::STORAGE;
+    let input_gpu = import_wgpu_buffer(device, caps, Arc::new(input), usage, None).unwrap();
+    let output_gpu = import_wgpu_buffer(device, caps, Arc::clone(&output), usage, None).unwrap();
+    let mut encoder = device.create_command_encoder(&Default::default());
+    gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+    queue.submit([encoder.finish(), host_read_barrier(device).unwrap()]);
+    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    output
+        .cpu_access(0..gpu.output_bytes() as usize, Access::Read)
+        .unwrap()
+        .typed::<f32>()
+        .unwrap()
+        .to_vec()
+}
+
 #[test]
 fn tower_and_connector_match_transformers() {
     let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
@@ -113,14 +166,7 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
 #[test]
 #[ignore = "hardware: needs a Vulkan adapter with cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 f16) and f16 shaders"]
 fn the_coop_matrix_encoder_matches_the_cpu_reference() {
-    use std::sync::Arc;
-    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
-    use uvm_alloc::{Access, Allocator, AllocatorDesc};
-    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends: wgpu::Backends::VULKAN,
-        ..wgpu::InstanceDescriptor::new_without_display_handle()
-    });
-    let adapter = pollster::block_on(instance.request_adapter(&Default::default())).unwrap();
+    let adapter = vulkan_adapter().expect("a Vulkan adapter");
     assert!(
         pipeline::vision_gpu::coop_features(&adapter).is_some(),
         "{} offers no cooperative matrices",
@@ -128,7 +174,7 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
     );
     let (desc, options) = pipeline::vision_gpu::device_descriptor(&adapter);
     assert_eq!(options.gemm, pipeline::vision_gpu::GemmKernel::Coop);
-    let (device, queue, caps) = open_wgpu_device(&adapter, &desc).unwrap();
+    let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc).unwrap();
     let config = pipeline::vision::VisionConfig {
         image_size: 128,
         patch_size: 16,
@@ -145,29 +191,9 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
         .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
         .collect();
     let want = cpu.encode(&pixels).unwrap();
-    let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options).unwrap();
-    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
-    let input = allocator.allocate(pixels.len() * 4).unwrap();
-    input
-        .cpu_access(0..pixels.len() * 4, Access::Write)
-        .unwrap()
-        .typed_mut::<f32>()
-        .unwrap()
-        .copy_from_slice(&pixels);
-    let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
-    let usage = wgpu::BufferUsages::STORAGE;
-    let input_gpu = import_wgpu_buffer(&device, &caps, Arc::new(input), usage, None).unwrap();
-    let output_gpu = import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None).unwrap();
-    let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
-    queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
-    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-    let got = output
-        .cpu_access(0..gpu.output_bytes() as usize, Access::Read)
-        .unwrap()
-        .typed::<f32>()
-        .unwrap()
-        .to_vec();
+    let gpu =
+        pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+    let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
     let rel = rel_diff(&got, &want);
     eprintln!("coop encoder vs CPU reference: {rel} relative");
     // f16 inputs to every GEMM (11-bit mantissas), f32 accumulation.
@@ -264,56 +290,15 @@ fn a_wrong_image_size_is_an_error_that_names_the_size() {
 /// otherwise prints a visible skip.
 #[test]
 fn gpu_encoder_matches_transformers_on_a_real_vulkan_driver() {
-    use std::io::Write;
-    use std::sync::Arc;
-    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
-    use uvm_alloc::{Access, Allocator, AllocatorDesc};
-
-    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends: wgpu::Backends::VULKAN,
-        ..wgpu::InstanceDescriptor::new_without_display_handle()
-    });
-    let Ok(adapter) = pollster::block_on(instance.request_adapter(&Default::default())) else {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-        assert!(
-            !ci,
-            "no Vulkan adapter: CI must run the GPU encoder for real"
-        );
-        let _ = writeln!(std::io::stderr(), "\nSKIPPED (no Vulkan adapter)\n");
+    let Some(adapter) = vulkan_adapter() else {
         return;
     };
-    let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
     let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let cpu = VisionEncoder::open(&fixture("hf")).unwrap();
-    let gpu = pipeline::vision_gpu::GpuVisionEncoder::new(&device, &cpu).unwrap();
-
-    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
-    let pixels = floats(&v, "pixel_values");
-    let input = allocator.allocate(pixels.len() * 4).unwrap();
-    input
-        .cpu_access(0..pixels.len() * 4, Access::Write)
-        .unwrap()
-        .typed_mut::<f32>()
-        .unwrap()
-        .copy_from_slice(&pixels);
-    let input = Arc::new(input);
-    let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
-    let usage = wgpu::BufferUsages::STORAGE;
-    let input_gpu = import_wgpu_buffer(&device, &caps, Arc::clone(&input), usage, None).unwrap();
-    let output_gpu = import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None).unwrap();
-
-    let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
-    queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
-    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-
-    let got = output
-        .cpu_access(0..gpu.output_bytes() as usize, Access::Read)
-        .unwrap()
-        .typed::<f32>()
-        .unwrap()
-        .to_vec();
+    let gpu = pipeline::vision_gpu::GpuVisionEncoder::new(&gpu_device.0, &cpu).unwrap();
+    let got = encode_on_gpu(&gpu_device, &gpu, &floats(&v, "pixel_values"));
     let rel = rel_diff(&got, &floats(&v, "connector"));
     // f32 throughout; the GPU's summation order and exp/tanh differ from PyTorch's.
     assert!(
@@ -377,25 +362,10 @@ fn the_encode_command_writes_the_connector_output_as_npy() {
 /// GPU against the CPU reference, covering the tiled paths the tiny checkpoint does not reach.
 #[test]
 fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
-    use std::io::Write;
-    use std::sync::Arc;
-    use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
-    use uvm_alloc::{Access, Allocator, AllocatorDesc};
-
-    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-        backends: wgpu::Backends::VULKAN,
-        ..wgpu::InstanceDescriptor::new_without_display_handle()
-    });
-    let Ok(adapter) = pollster::block_on(instance.request_adapter(&Default::default())) else {
-        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-        assert!(
-            !ci,
-            "no Vulkan adapter: CI must run the GPU encoder for real"
-        );
-        let _ = writeln!(std::io::stderr(), "\nSKIPPED (no Vulkan adapter)\n");
+    let Some(adapter) = vulkan_adapter() else {
         return;
     };
-    let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
     let config = pipeline::vision::VisionConfig {
         image_size: 160,
         patch_size: 16,
@@ -432,30 +402,9 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
         },
     ] {
         let gpu =
-            pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options).unwrap();
-        let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
-        let input = allocator.allocate(pixels.len() * 4).unwrap();
-        input
-            .cpu_access(0..pixels.len() * 4, Access::Write)
-            .unwrap()
-            .typed_mut::<f32>()
-            .unwrap()
-            .copy_from_slice(&pixels);
-        let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
-        let usage = wgpu::BufferUsages::STORAGE;
-        let input_gpu = import_wgpu_buffer(&device, &caps, Arc::new(input), usage, None).unwrap();
-        let output_gpu =
-            import_wgpu_buffer(&device, &caps, Arc::clone(&output), usage, None).unwrap();
-        let mut encoder = device.create_command_encoder(&Default::default());
-        gpu.record(&device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
-        queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
-        device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-        let got = output
-            .cpu_access(0..gpu.output_bytes() as usize, Access::Read)
-            .unwrap()
-            .typed::<f32>()
-            .unwrap()
-            .to_vec();
+            pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
+                .unwrap();
+        let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
         let rel = rel_diff(&got, &want);
         assert!(
             rel < 1e-4,

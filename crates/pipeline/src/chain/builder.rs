@@ -256,26 +256,14 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
     };
 
     // The decoder first: the synthetic tower needs its hidden size.
-    let kv_dtype = match spec.kv.as_deref().unwrap_or("f16") {
-        "f32" => kv_paged::PageDtype::F32,
-        "f16" => kv_paged::PageDtype::F16,
-        "bf16" => kv_paged::PageDtype::Bf16,
-        "mxfp8" => kv_paged::PageDtype::Mxfp8,
-        "mxfp4" => kv_paged::PageDtype::Mxfp4,
-        other => return Err(format!("kv {other}: use f32, f16, bf16, mxfp8 or mxfp4").into()),
-    };
+    let kv_dtype = crate::llm::parse_kv_dtype(spec.kv.as_deref().unwrap_or("f16"))?;
     let policy = WeightPolicy::parse(spec.policy.as_deref().unwrap_or("default"))?;
     let ctx = spec.ctx.unwrap_or(1024);
-    let cache = {
-        let dir = match &spec.cache_dir {
-            Some(d) => d.clone(),
-            None => match model.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-                _ => PathBuf::from("."),
-            },
-        };
-        crate::llm::cache_spec(model, &dir, &policy)
-    };
+    let cache_dir = spec
+        .cache_dir
+        .clone()
+        .unwrap_or_else(|| crate::llm::default_cache_dir(model));
+    let cache = crate::llm::cache_spec(model, &cache_dir, &policy);
     let options = DecoderOptions {
         policy,
         ctx,
@@ -429,22 +417,11 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         spec.chat.unwrap_or(true),
         decoder.config().add_bos,
     )?;
-    let grammar = match (&spec.regex, &spec.json_schema) {
-        (Some(_), Some(_)) => return Err("pass --regex or --json-schema, not both".into()),
-        (Some(r), None) => {
-            let vocab = crate::grammar::TokenVocab::from_tokenizer(&tokenizer)?;
-            Some(crate::grammar::Grammar::regex(r, &vocab)?)
-        }
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("reading {}: {e}", path.display()))?;
-            let schema: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-            let vocab = crate::grammar::TokenVocab::from_tokenizer(&tokenizer)?;
-            Some(crate::grammar::Grammar::json_schema(&schema, &vocab)?)
-        }
-        (None, None) => None,
-    };
+    let grammar = crate::grammar::from_request(
+        spec.regex.as_deref(),
+        spec.json_schema.as_deref(),
+        &tokenizer,
+    )?;
     let sampling = SamplingParams {
         temperature: spec.temperature.unwrap_or(0.0),
         top_k: spec.top_k.unwrap_or(40),
