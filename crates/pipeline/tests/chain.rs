@@ -291,14 +291,8 @@ impl EncoderStage for FaultyEncoder {
     fn name(&self) -> &'static str {
         "faulty-encoder"
     }
-    fn image_tokens(&self) -> usize {
-        self.inner.image_tokens()
-    }
-    fn text_hidden(&self) -> usize {
-        self.inner.text_hidden()
-    }
-    fn image_size(&self) -> usize {
-        self.inner.image_size()
+    fn config(&self) -> &VisionConfig {
+        self.inner.config()
     }
     fn encode(
         &mut self,

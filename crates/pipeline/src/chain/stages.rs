@@ -41,12 +41,20 @@ pub trait IspStage: Send {
 pub trait EncoderStage: Send {
     /// `encoder-gpu`, `encoder-cpu`, ...
     fn name(&self) -> &'static str;
+    /// The tower's and connector's shape.
+    fn config(&self) -> &crate::vision::VisionConfig;
     /// Rows of embeddings per image.
-    fn image_tokens(&self) -> usize;
+    fn image_tokens(&self) -> usize {
+        self.config().image_tokens()
+    }
     /// Width of each row (the text model's hidden size).
-    fn text_hidden(&self) -> usize;
+    fn text_hidden(&self) -> usize {
+        self.config().text_hidden
+    }
     /// Side of the square input image.
-    fn image_size(&self) -> usize;
+    fn image_size(&self) -> usize {
+        self.config().image_size
+    }
     /// Encodes `pixels` into `out`; returns when `out` is complete and visible to the CPU.
     fn encode(
         &mut self,
@@ -337,16 +345,8 @@ impl EncoderStage for CpuEncoder {
         "encoder-cpu"
     }
 
-    fn image_tokens(&self) -> usize {
-        self.encoder.config().image_tokens()
-    }
-
-    fn text_hidden(&self) -> usize {
-        self.encoder.config().text_hidden
-    }
-
-    fn image_size(&self) -> usize {
-        self.encoder.config().image_size
+    fn config(&self) -> &crate::vision::VisionConfig {
+        self.encoder.config()
     }
 
     fn encode(
@@ -403,16 +403,8 @@ impl EncoderStage for GpuEncoder {
         "encoder-gpu"
     }
 
-    fn image_tokens(&self) -> usize {
-        self.encoder.config().image_tokens()
-    }
-
-    fn text_hidden(&self) -> usize {
-        self.encoder.config().text_hidden
-    }
-
-    fn image_size(&self) -> usize {
-        self.encoder.config().image_size
+    fn config(&self) -> &crate::vision::VisionConfig {
+        self.encoder.config()
     }
 
     fn encode(
