@@ -693,12 +693,22 @@ impl Decoder {
     /// Appends `tokens` and returns the logits of the last one.
     pub fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>, DecodeError> {
         let mut out = Vec::new();
+        self.forward_last_into(tokens, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Decoder::forward_last`] into `out`, reusing its allocation: what a decode loop calls
+    /// once per token.
+    pub fn forward_last_into(
+        &mut self,
+        tokens: &[u32],
+        out: &mut Vec<f32>,
+    ) -> Result<(), DecodeError> {
         let n = tokens.len();
         self.forward(tokens, n.saturating_sub(1)..n, |_, l| {
             out.clear();
             out.extend_from_slice(l)
-        })?;
-        Ok(out)
+        })
     }
 }
 

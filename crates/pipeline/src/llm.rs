@@ -177,7 +177,7 @@ pub fn generate_constrained(
         if !on_token(next) || exhausted || i + 1 == max_tokens {
             break;
         }
-        logits = decoder.forward_last(&[next])?;
+        decoder.forward_last_into(&[next], &mut logits)?;
     }
     stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
     Ok(stats)
@@ -297,12 +297,13 @@ pub fn bench(
     }
     if n_gen > 0 {
         let mut samples = Vec::new();
+        let mut logits = Vec::new();
         for rep in 0..=reps {
             decoder.reset()?;
             let mut next = token();
             let t = Instant::now();
             for _ in 0..n_gen {
-                let logits = decoder.forward_last(&[next])?;
+                decoder.forward_last_into(&[next], &mut logits)?;
                 next = npu_hal::kernels::argmax(&logits).map_or(0, |(i, _)| i as u32);
             }
             if rep > 0 {

@@ -591,7 +591,7 @@ impl DecoderStage for NpuDecoder {
             if done || i + 1 == self.max_tokens {
                 break;
             }
-            logits = self.decoder.forward_last(&[next])?;
+            self.decoder.forward_last_into(&[next], &mut logits)?;
         }
         let rest = stream.finish()?;
         if !rest.is_empty() {
