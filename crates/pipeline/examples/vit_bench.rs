@@ -5,7 +5,7 @@
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
 //! [small|blocked|register|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
-//! `TIMESTAMP_QUERY_INSIDE_PASSES`)
+//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_ROWS=64|128` picks the tensor-core GEMM's block)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -31,7 +31,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "per-query" => pipeline::vision_gpu::AttentionKernel::PerQuery,
         _ => pipeline::vision_gpu::AttentionKernel::Tiled,
     };
-    let options = pipeline::vision_gpu::GpuVisionOptions { gemm, attention };
+    let coop_block_rows = std::env::var("VIT_COOP_ROWS").map_or(Ok(0), |v| v.parse())?;
+    let options = pipeline::vision_gpu::GpuVisionOptions {
+        gemm,
+        attention,
+        coop_block_rows,
+    };
     let config = match shape {
         "b16-512" => VisionConfig {
             image_size: 512,
@@ -80,6 +85,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut kernel_ms: Option<serde_json::Map<String, serde_json::Value>> = None;
     let mut times = Vec::with_capacity(iters);
     let device_name;
+    let mut kernels_built = None;
     match backend {
         "cpu" => {
             device_name = "cpu".to_string();
@@ -107,6 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
             let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options)?;
+            kernels_built = Some(format!("{:?}", gpu.options()));
             let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("pixels"),
                 contents: bytemuck::cast_slice(&pixels),
@@ -140,7 +147,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         serde_json::json!({
             "shape": shape,
             "backend": backend,
-            "kernels": format!("{options:?}"),
+            "kernels": kernels_built.unwrap_or_else(|| format!("{options:?}")),
             "device": device_name,
             "iters": times.len(),
             "median_ms": median,
@@ -203,5 +210,16 @@ fn profile_one(
     }
     let total = ticks[kernels.len()].saturating_sub(ticks[0]) as f64 * period / 1e6;
     totals.insert("total".into(), total.into());
+    // The first dispatches one by one (the input's, then the first layer's), in microseconds.
+    let first: Vec<serde_json::Value> = kernels
+        .iter()
+        .enumerate()
+        .take(12)
+        .map(|(i, name)| {
+            let us = ticks[i + 1].saturating_sub(ticks[i]) as f64 * period / 1e3;
+            serde_json::json!([name, (us * 10.0).round() / 10.0])
+        })
+        .collect();
+    totals.insert("first_dispatches_us".into(), first.into());
     Ok(totals)
 }

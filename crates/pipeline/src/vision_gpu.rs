@@ -6,11 +6,17 @@
 //! storage buffer (the ISP's output, imported from its unified buffer as-is where memory is
 //! unified) and the connector's output goes to another storage buffer the caller provides.
 //!
-//! This is the f32 path: a 64x64-tiled GEMM with 4x4 register blocks and fused bias / GELU /
-//! residual epilogues, a row-per-workgroup LayerNorm, and FlashAttention-style tiled attention
-//! (16 queries per workgroup, keys streamed 16 at a time, online softmax; heads up to 64 wide,
-//! wider heads take a one-query-per-invocation kernel). f16, MX weights and the
-//! cooperative-matrix path come with issue #8's performance work.
+//! Two kernel families share the recording:
+//! - **f32** (`shaders/vit.wgsl`, any Vulkan device): tiled GEMMs with fused bias / GELU /
+//!   residual epilogues, a row-per-workgroup LayerNorm, and FlashAttention-style tiled
+//!   attention (16 queries per workgroup, online softmax).
+//! - **tensor cores** (`shaders/vit_coop.wgsl`, [`GemmKernel::Coop`], devices with cooperative
+//!   matrices): f16 weights and activations, f32 accumulation and residual stream. Q, K and V
+//!   are one fused GEMM, every GEMM input is written in f16 by the kernel before it (LayerNorm,
+//!   attention, the GELU epilogue), so a layer is 7 dispatches. GEMMs stage 64-row blocks
+//!   through workgroup memory, double-buffered; attention splits each head's keys over 4
+//!   subgroups and merges their softmaxes. That module is compiled without runtime bounds
+//!   checks; every dispatch's sizes are checked against its buffers here instead.
 
 use wgpu::util::DeviceExt;
 
@@ -32,10 +38,9 @@ pub enum GpuVisionError {
     },
     #[error("{0}")]
     Unsupported(&'static str),
+    #[error("invalid encoder options: {0}")]
+    Invalid(String),
 }
-
-/// A weight matrix on the device: f32, and f16 when the coop GEMM runs.
-type Weight = (wgpu::Buffer, Option<wgpu::Buffer>);
 
 struct Dispatch {
     pipeline: usize,
@@ -54,22 +59,24 @@ pub struct GpuVisionEncoder {
     patches: wgpu::Buffer,
     vision_out: wgpu::Buffer,
     shuffled: wgpu::Buffer,
-    projection: wgpu::Buffer,
+    projection: Projection,
     im2col_params: wgpu::Buffer,
     projection_params: wgpu::Buffer,
     shuffle_bind: wgpu::BindGroup,
     /// Bound in the bias slot of GEMMs without a bias; their flag leaves it unread.
     no_bias: wgpu::Buffer,
-    /// The connector's projection on tensor cores, when the coop path runs and its sizes fit.
-    coop_projection: Option<CoopProjection>,
 }
 
-/// What the connector's projection needs on the coop path: its f16 weight, the f16 input
-/// scratch and the conversion's length.
-struct CoopProjection {
-    w16: wgpu::Buffer,
-    x16: wgpu::Buffer,
-    len: wgpu::Buffer,
+/// The connector's projection weight, and how it runs.
+enum Projection {
+    /// The f32 GEMM the options chose.
+    F32(wgpu::Buffer),
+    /// On tensor cores: the f16 weight, the f16 input scratch and the conversion's length.
+    Coop {
+        w16: wgpu::Buffer,
+        x16: wgpu::Buffer,
+        len: wgpu::Buffer,
+    },
 }
 
 impl std::fmt::Debug for GpuVisionEncoder {
@@ -92,14 +99,18 @@ const LINEAR_SMALL: usize = 7;
 const LINEAR_REG: usize = 8;
 // Present only when the device runs the cooperative-matrix module (`GemmKernel::Coop`).
 const TO_F16: usize = 9;
-const LINEAR_COOP: usize = 10;
-/// A `linear` flag on the Rust side only: the input is the previous GEMM's, so its f16 copy
-/// (coop path) is already in place.
-const SAME_INPUT: u32 = 1 << 8;
+const GEMM_COOP: usize = 10;
 const ATTENTION_COOP: usize = 11;
+const LAYER_NORM_F16: usize = 12;
+
+/// `gemm_coop` flags (vit_coop.wgsl).
+const GEMM_BIAS: u32 = 1;
+const GEMM_GELU: u32 = 2;
+const GEMM_RESIDUAL: u32 = 4;
+const GEMM_F16_OUT: u32 = 8;
 
 /// Entry point of each pipeline index, for profiles.
-const KERNEL_NAMES: [&str; 12] = [
+const KERNEL_NAMES: [&str; 13] = [
     "linear",
     "layer_norm",
     "attention",
@@ -110,8 +121,9 @@ const KERNEL_NAMES: [&str; 12] = [
     "linear_small",
     "linear_reg",
     "to_f16",
-    "linear_coop",
+    "gemm_coop",
     "attention_coop",
+    "layer_norm_f16",
 ];
 
 /// The tensor-core kernels (vit_coop.wgsl).
@@ -131,25 +143,84 @@ pub enum GemmKernel {
     /// the buffers as vec4s: no workgroup memory, no barriers (k must be a multiple of 4, else
     /// `Small` runs). The fastest on lavapipe, where a barrier costs a context switch.
     Register,
-    /// Cooperative matrices (tensor cores): f16 inputs, f32 accumulation, 16x16x16 tiles, a
-    /// 32x32 block per subgroup. Needs a device opened with [`coop_features`]; GEMMs whose
-    /// sizes are not multiples of 32 (m, n) and 16 (k) run `Small`. Attention then also runs
-    /// on tensor cores (FlashAttention-style, `attention_coop`) when the patch count is a
-    /// multiple of 64 and head_dim a multiple of 16 up to 64.
+    /// Cooperative matrices (tensor cores) for the whole tower: f16 weights and activations,
+    /// f32 accumulation, 16x16x16 tiles; attention on tensor cores too. Needs a device opened
+    /// with [`coop_features`] and a tower [`coop_fits`]; other towers run `Small`.
     Coop,
 }
 
-/// The device features the cooperative-matrix GEMM needs, if `adapter` offers them (and a
-/// 16x16x16 f16 x f16 -> f32 configuration): request them when opening the device, with
-/// experimental features enabled.
+/// The device features the tensor-core kernels need, if `adapter` offers them: f16 shaders,
+/// subgroups of exactly 32 invocations (the kernels give each subgroup a fixed share of a
+/// workgroup) and cooperative matrices with a 16x16x16 f16 x f16 -> f32 configuration.
+/// Request them when opening the device, with experimental features enabled.
 pub fn coop_features(adapter: &wgpu::Adapter) -> Option<wgpu::Features> {
-    let wanted = wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+    let wanted = COOP_FEATURES;
     let shape = adapter.cooperative_matrix_properties().iter().any(|p| {
         (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
             && p.ab_type == wgpu::CooperativeScalarType::F16
             && p.cr_type == wgpu::CooperativeScalarType::F32
     });
-    (adapter.features().contains(wanted) && shape).then_some(wanted)
+    let info = adapter.get_info();
+    let subgroups_of_32 = info.subgroup_min_size == 32 && info.subgroup_max_size == 32;
+    (adapter.features().contains(wanted) && shape && subgroups_of_32).then_some(wanted)
+}
+
+/// Workgroup memory the tensor-core kernels declare at most: attention's staged K and V
+/// (2 x 64 x 18 vec4<f16>) and 4 subgroups' scores (f32) and probabilities (f16), 16 x 64 each.
+/// Devices that offer less run the f32 kernels.
+const COOP_WORKGROUP_BYTES: u32 = 2 * 64 * 18 * 8 + 4 * 1024 * 4 + 4 * 1024 * 2;
+
+/// What [`coop_features`] asks for.
+const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
+    .union(wgpu::Features::SUBGROUP)
+    .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
+
+/// The tensor-core module with its two tile constants set: rows per GEMM workgroup and
+/// subgroups (16 queries each) per attention workgroup.
+fn coop_source(block_rows: usize, query_subgroups: usize) -> String {
+    let gemm = "const BM: u32 = 64u;";
+    let keys = "const QSUB: u32 = 4u;";
+    debug_assert!(COOP_SHADER.contains(gemm) && COOP_SHADER.contains(keys));
+    COOP_SHADER
+        .replace(gemm, &format!("const BM: u32 = {block_rows}u;"))
+        .replace(keys, &format!("const QSUB: u32 = {query_subgroups}u;"))
+}
+
+/// Whether the tensor-core kernels take this tower, and if not, why: the patch count a
+/// multiple of 64 (attention's key blocks), head_dim a multiple of 16 up to 64, and every
+/// GEMM's output width a multiple of 8 and inner size of 4 (vector loads). SigLIP-B/16 at 512
+/// (SmolVLM-256M/500M) fits; SigLIP-so400m/14 (729 patches) runs the f32 kernels.
+pub fn coop_fits(c: &VisionConfig) -> Result<(), String> {
+    let side = c.patches_per_side();
+    let n = side * side;
+    let hd = c.hidden / c.heads.max(1);
+    let pp = 3 * c.patch_size * c.patch_size;
+    let checks = [
+        (
+            n > 0 && n.is_multiple_of(64),
+            format!("{n} patches (need a multiple of 64)"),
+        ),
+        (
+            c.hidden.is_multiple_of(8),
+            format!("hidden {} (need a multiple of 8)", c.hidden),
+        ),
+        (
+            c.intermediate.is_multiple_of(8),
+            format!("intermediate {} (need a multiple of 8)", c.intermediate),
+        ),
+        (
+            pp.is_multiple_of(4),
+            format!("{pp} values per patch (need a multiple of 4)"),
+        ),
+        (
+            hd.is_multiple_of(16) && hd <= 64,
+            format!("head_dim {hd} (need a multiple of 16, at most 64)"),
+        ),
+    ];
+    match checks.into_iter().find(|(ok, _)| !ok) {
+        None => Ok(()),
+        Some((_, why)) => Err(why),
+    }
 }
 
 impl GemmKernel {
@@ -180,6 +251,8 @@ pub enum AttentionKernel {
 pub struct GpuVisionOptions {
     pub gemm: GemmKernel,
     pub attention: AttentionKernel,
+    /// Rows of y per workgroup of the tensor-core GEMM: 64 or 128 (0 = the measured default).
+    pub coop_block_rows: u32,
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, plus
@@ -214,6 +287,7 @@ impl GpuVisionOptions {
             GpuVisionOptions {
                 gemm: GemmKernel::Register,
                 attention: AttentionKernel::PerQuery,
+                coop_block_rows: 0,
             }
         } else {
             GpuVisionOptions::default()
@@ -260,11 +334,13 @@ impl GpuVisionEncoder {
         GpuVisionEncoder::with_options(device, cpu, GpuVisionOptions::default())
     }
 
-    /// [`GpuVisionEncoder::new`] with explicit kernel choices.
+    /// [`GpuVisionEncoder::new`] with explicit kernel choices. `Coop` on a tower that
+    /// [`coop_fits`] rejects, or on a device with less than 43 KB of workgroup memory, runs the
+    /// f32 kernels (`Small` GEMMs); [`GpuVisionEncoder::options`] says what was built.
     pub fn with_options(
         device: &wgpu::Device,
         cpu: &VisionEncoder,
-        options: GpuVisionOptions,
+        mut options: GpuVisionOptions,
     ) -> Result<GpuVisionEncoder, GpuVisionError> {
         let c = cpu.config.clone();
         let h = c.hidden;
@@ -275,6 +351,7 @@ impl GpuVisionEncoder {
         let limit = device.limits().max_storage_buffer_binding_size;
         let side = c.patches_per_side();
         let n = side * side;
+        let pp = 3 * c.patch_size * c.patch_size;
         let check = |what: &'static str, elems: usize| {
             let bytes = elems as u64 * 4;
             if bytes > limit {
@@ -285,44 +362,83 @@ impl GpuVisionEncoder {
         };
         check(
             "an activation buffer",
-            n * c.intermediate.max(3 * c.patch_size * c.patch_size),
+            n * c.intermediate.max(pp).max(3 * h),
         )?;
         check("the connector input", n * h)?;
-        let coop = options.gemm == GemmKernel::Coop;
-        if coop
-            && !device.features().contains(
-                wgpu::Features::SHADER_F16 | wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX,
-            )
-        {
-            return Err(GpuVisionError::Unsupported(
-                "the cooperative-matrix GEMM needs a device opened with SHADER_F16 and \
-                 EXPERIMENTAL_COOPERATIVE_MATRIX (see vision_gpu::coop_features)",
-            ));
+        if options.gemm == GemmKernel::Coop {
+            if !device.features().contains(COOP_FEATURES) {
+                return Err(GpuVisionError::Unsupported(
+                    "the tensor-core kernels need a device opened with SHADER_F16, SUBGROUP and \
+                     EXPERIMENTAL_COOPERATIVE_MATRIX (see vision_gpu::coop_features)",
+                ));
+            }
+            let workgroup_bytes = device.limits().max_compute_workgroup_storage_size;
+            if coop_fits(&c).is_err() || workgroup_bytes < COOP_WORKGROUP_BYTES {
+                options.gemm = GemmKernel::Small;
+                options.attention = AttentionKernel::Tiled;
+            }
         }
+        let coop = options.gemm == GemmKernel::Coop;
+        let block_rows: usize = match options.coop_block_rows {
+            0 | 64 => 64,
+            128 => 128,
+            other => {
+                return Err(GpuVisionError::Invalid(format!(
+                    "coop_block_rows is {other}: 64 or 128"
+                )));
+            }
+        };
+        options.coop_block_rows = if coop { block_rows as u32 } else { 0 };
+        // Attention workgroups take 64 queries (4 subgroups of 16) sharing each staged K and V
+        // block: 2 subgroups measured 2x slower on an H200.
+        let query_subgroups = 4;
         // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points first, then
         // (coop only) the tensor-core module's.
-        let build = |label: &str, source: &str, entries: &[&str]| {
-            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(label),
-                source: wgpu::ShaderSource::Wgsl(source.into()),
-            });
+        let compile = |module: &wgpu::ShaderModule, entries: &[&str], zero_workgroup: bool| {
             entries
                 .iter()
                 .map(|entry| {
                     device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                         label: Some(entry),
                         layout: None,
-                        module: &module,
+                        module,
                         entry_point: Some(entry),
-                        compilation_options: Default::default(),
+                        compilation_options: wgpu::PipelineCompilationOptions {
+                            zero_initialize_workgroup_memory: zero_workgroup,
+                            ..Default::default()
+                        },
                         cache: None,
                     })
                 })
                 .collect::<Vec<_>>()
         };
-        let mut pipelines = build("vit", SHADER, &KERNEL_NAMES[..TO_F16]);
+        let f32_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("vit"),
+            source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+        });
+        let mut pipelines = compile(&f32_module, &KERNEL_NAMES[..TO_F16], true);
         if coop {
-            pipelines.extend(build("vit coop", COOP_SHADER, &KERNEL_NAMES[TO_F16..]));
+            let source = coop_source(block_rows, query_subgroups);
+            // SAFETY: `create_shader_module_trusted` drops the runtime bounds checks (and loop
+            // bounding) naga would add; an out-of-bounds access would then be undefined
+            // behaviour on the device. Every dispatch of this module is built below from the
+            // tower's validated sizes, for buffers allocated from the same sizes, and each
+            // meets its kernel's stated contract (vit_coop.wgsl): `gemm_coop` clamps its tile
+            // loads to rows < m and n and columns < k, and runs only when coop_fits holds
+            // (n a multiple of 8, k of 4); `attention_coop` reads rows < n of an n x 3h buffer
+            // and runs only when n is a multiple of 64 (= 16 * QSUB); `layer_norm_f16` and
+            // `to_f16` guard their indices against the lengths they are given. Workgroup
+            // memory is not zeroed: each kernel writes what it reads first.
+            let module = unsafe {
+                device.create_shader_module_trusted(
+                    wgpu::ShaderModuleDescriptor {
+                        label: Some("vit coop"),
+                        source: wgpu::ShaderSource::Wgsl(source.into()),
+                    },
+                    wgpu::ShaderRuntimeChecks::unchecked(),
+                )
+            };
+            pipelines.extend(compile(&module, &KERNEL_NAMES[TO_F16..], false));
         }
         let upload = |label: &str, data: &[f32]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
@@ -331,15 +447,28 @@ impl GpuVisionEncoder {
                 usage: wgpu::BufferUsages::STORAGE,
             })
         };
+        let upload_f16 = |label: &str, data: &[f32]| {
+            let bits: Vec<u16> = data
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
+            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents: bytemuck::cast_slice(&bits),
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+        };
         // COPY_SRC so a caller can read any stage back (`pipeline encode --stage vision`).
-        let scratch = |label: &str, elems: usize| {
+        let scratch_bytes = |label: &str, bytes: usize| {
             device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
-                size: (elems.max(1) * 4) as u64,
+                size: (bytes.max(4) as u64).next_multiple_of(4),
                 usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
             })
         };
+        let scratch = |label: &str, elems: usize| scratch_bytes(label, elems * 4);
+        let scratch_f16 = |label: &str, elems: usize| scratch_bytes(label, elems * 2);
         let uniform = |data: &[u32]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: None,
@@ -351,78 +480,62 @@ impl GpuVisionEncoder {
             bind_buffers(device, &pipelines[pipeline], buffers)
         };
         let no_bias = upload("no bias", &[0.0]);
-        let pp = 3 * c.patch_size * c.patch_size;
         let patches = scratch("patches", n * pp);
         let x = scratch("x", n * h);
-        let xn = scratch("x normed", n * h);
-        let (q, k, v, a) = (
-            scratch("q", n * h),
-            scratch("k", n * h),
-            scratch("v", n * h),
-            scratch("attention", n * h),
-        );
-        let mid = scratch("mlp", n * c.intermediate);
         let vision_out = scratch("vision out", n * h);
         let f2 = c.scale_factor * c.scale_factor;
         let tokens = c.image_tokens();
         let shuffled = scratch("shuffled", tokens * h * f2);
         let mut body = Vec::new();
-        // The f16 copy of a GEMM's input (coop only): as large as the largest GEMM input.
-        let x16 = coop.then(|| {
-            device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("gemm input f16"),
-                size: ((n * c.intermediate.max(pp).max(h)).max(1) * 2).next_multiple_of(4) as u64,
-                usage: wgpu::BufferUsages::STORAGE,
-                mapped_at_creation: false,
-            })
-        });
-        // A weight matrix: f32 for the f32 kernels, plus f16 for the coop kernel.
-        let weight = |label: &str, m: &npu_hal::DenseMatrix| -> Weight {
-            let w16 = coop.then(|| {
-                let bits: Vec<u16> = m
-                    .data()
-                    .iter()
-                    .map(|&v| half::f16::from_f32(v).to_bits())
-                    .collect();
-                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some(label),
-                    contents: bytemuck::cast_slice(&bits),
-                    usage: wgpu::BufferUsages::STORAGE,
-                })
+        let eps = c.layer_norm_eps.to_bits();
+        // A LayerNorm of x's rows into `dst`, f32 or (coop) f16.
+        let norm = |body: &mut Vec<Dispatch>,
+                    src: &wgpu::Buffer,
+                    (w, b): (&wgpu::Buffer, &wgpu::Buffer),
+                    dst: &wgpu::Buffer,
+                    f16_out: bool| {
+            let params = uniform(&[n as u32, h as u32, eps, 0]);
+            let (pipeline, groups) = if f16_out {
+                (LAYER_NORM_F16, n.div_ceil(4) as u32)
+            } else {
+                (LAYER_NORM, n as u32)
+            };
+            body.push(Dispatch {
+                pipeline,
+                bind: bind(pipeline, &[src, w, b, dst, &params]),
+                groups: (groups, 1, 1),
             });
-            (upload(label, m.data()), w16)
         };
-        // Patch projection and positions (the im2col that feeds it is recorded per image).
+        // A tensor-core GEMM: x (m x k f16) times w16 (n x k f16) into y (f32 or f16 pairs).
+        let gemm = |body: &mut Vec<Dispatch>,
+                    x16: &wgpu::Buffer,
+                    w16: &wgpu::Buffer,
+                    b: Option<&wgpu::Buffer>,
+                    y: &wgpu::Buffer,
+                    (m, nn, kk): (usize, usize, usize),
+                    flags: u32| {
+            debug_assert!(
+                nn.is_multiple_of(8) && kk.is_multiple_of(4),
+                "gemm_coop contract"
+            );
+            let flags = flags | if b.is_some() { GEMM_BIAS } else { 0 };
+            let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
+            body.push(Dispatch {
+                pipeline: GEMM_COOP,
+                bind: bind(GEMM_COOP, &[x16, w16, b.unwrap_or(&no_bias), y, &params]),
+                groups: (nn.div_ceil(64) as u32, m.div_ceil(block_rows) as u32, 1),
+            });
+        };
+        // An f32 GEMM with the kernel `options` chose.
         let linear = |body: &mut Vec<Dispatch>,
                       x: &wgpu::Buffer,
-                      (w, w16): &Weight,
+                      w: &wgpu::Buffer,
                       b: Option<&wgpu::Buffer>,
                       y: &wgpu::Buffer,
                       (m, nn, kk): (usize, usize, usize),
                       flags: u32| {
-            let reuse = flags & SAME_INPUT != 0;
-            let flags = (flags & !SAME_INPUT) | u32::from(b.is_some());
+            let flags = flags | u32::from(b.is_some());
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
-            if let (Some(w16), Some(x16)) = (w16, &x16)
-                && m.is_multiple_of(32)
-                && nn.is_multiple_of(32)
-                && kk.is_multiple_of(16)
-            {
-                if !reuse {
-                    let len = uniform(&[(m * kk) as u32, 0, 0, 0]);
-                    body.push(Dispatch {
-                        pipeline: TO_F16,
-                        bind: bind(TO_F16, &[x, x16, &len]),
-                        groups: groups_1d((m * kk) as u32),
-                    });
-                }
-                body.push(Dispatch {
-                    pipeline: LINEAR_COOP,
-                    bind: bind(LINEAR_COOP, &[x16, w16, b.unwrap_or(&no_bias), y, &params]),
-                    groups: ((nn / 32) as u32, (m / 32) as u32, 1),
-                });
-                return;
-            }
             let (pipeline, tile) = options.gemm.pipeline_for(kk);
             body.push(Dispatch {
                 pipeline,
@@ -430,92 +543,157 @@ impl GpuVisionEncoder {
                 groups: ((nn as u32).div_ceil(tile), (m as u32).div_ceil(tile), 1),
             });
         };
-        let w_patch = weight("patch w", &cpu.patch.0);
-        let b_patch = upload("patch b", &cpu.patch.1);
-        linear(
-            &mut body,
-            &patches,
-            &w_patch,
-            Some(&b_patch),
-            &x,
-            (n, h, pp),
-            0,
-        );
         let positions = upload("positions", &cpu.positions);
         let add_params = uniform(&[(n * h) as u32, 0, 0, 0]);
-        body.push(Dispatch {
+        let add_positions = Dispatch {
             pipeline: ADD,
             bind: bind(ADD, &[&positions, &x, &add_params]),
             groups: groups_1d((n * h) as u32),
-        });
-        let eps = c.layer_norm_eps.to_bits();
-        let norm = |body: &mut Vec<Dispatch>,
-                    src: &wgpu::Buffer,
-                    (w, b): (&wgpu::Buffer, &wgpu::Buffer),
-                    dst: &wgpu::Buffer| {
-            let params = uniform(&[n as u32, h as u32, eps, 0]);
-            body.push(Dispatch {
-                pipeline: LAYER_NORM,
-                bind: bind(LAYER_NORM, &[src, w, b, dst, &params]),
-                groups: (n as u32, 1, 1),
-            });
         };
-        let attn_params = uniform(&[
-            n as u32,
-            c.heads as u32,
-            hd as u32,
-            h as u32,
-            (1.0 / (hd as f32).sqrt()).to_bits(),
-            0,
-            0,
-            0,
-        ]);
-        // Tensor-core attention takes f16 copies of q, k and v.
-        let coop_attention = coop && n.is_multiple_of(64) && hd.is_multiple_of(16) && hd <= 64;
-        let qkv16 = coop_attention.then(|| {
-            let half = |label: &str| {
-                device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some(label),
-                    size: ((n * h).max(2) * 2).next_multiple_of(4) as u64,
-                    usage: wgpu::BufferUsages::STORAGE,
-                    mapped_at_creation: false,
-                })
-            };
-            (half("q f16"), half("k f16"), half("v f16"))
-        });
-        let half_len = uniform(&[(n * h) as u32, 0, 0, 0]);
-        for (i, l) in cpu.layers.iter().enumerate() {
-            let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
-            let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
-            let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
-            let lin = |name: &str, (w, b): &(npu_hal::DenseMatrix, Vec<f32>)| {
-                (weight(&format!("layer {i} {name}"), w), up(name, b))
-            };
-            let (qw, qb) = lin("q", &l.q);
-            let (kw, kb) = lin("k", &l.k);
-            let (vw, vb) = lin("v", &l.v);
-            let (ow, ob) = lin("o", &l.o);
-            let (f1w, f1b) = lin("fc1", &l.fc1);
-            let (f2w, f2b) = lin("fc2", &l.fc2);
-            norm(&mut body, &x, (&ln1w, &ln1b), &xn);
-            linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
-            // K and V read the same input as Q: its f16 copy is already made.
-            linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), SAME_INPUT);
-            linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), SAME_INPUT);
-            if let Some((q16, k16, v16)) = &qkv16 {
-                for (src, dst) in [(&q, q16), (&k, k16), (&v, v16)] {
-                    body.push(Dispatch {
-                        pipeline: TO_F16,
-                        bind: bind(TO_F16, &[src, dst, &half_len]),
-                        groups: groups_1d((n * h) as u32),
-                    });
-                }
+        let b_patch = upload("patch b", &cpu.patch.1);
+        // The f16 input of the GEMMs that read f32 (the patch embedding and the connector).
+        let gemm_in16 = coop.then(|| scratch_f16("gemm input f16", (n * pp).max(tokens * h * f2)));
+        if let Some(x16) = &gemm_in16 {
+            let len = uniform(&[(n * pp) as u32, 0, 0, 0]);
+            body.push(Dispatch {
+                pipeline: TO_F16,
+                bind: bind(TO_F16, &[&patches, x16, &len]),
+                groups: groups_1d((n * pp) as u32),
+            });
+            let w = upload_f16("patch w", cpu.patch.0.data());
+            gemm(&mut body, x16, &w, Some(&b_patch), &x, (n, h, pp), 0);
+            body.push(add_positions);
+            // Per layer: LN -> QKV (f16) -> attention (f16) -> O (+x) -> LN -> fc1+GELU (f16)
+            // -> fc2 (+x). The attention output reuses the LN output's buffer, which the QKV
+            // GEMM has consumed by then.
+            let xn16 = scratch_f16("x normed f16", n * h);
+            let qkv16 = scratch_f16("qkv f16", n * 3 * h);
+            let mid16 = scratch_f16("mlp f16", n * c.intermediate);
+            let attn_params = uniform(&[
+                n as u32,
+                c.heads as u32,
+                hd as u32,
+                h as u32,
+                (std::f32::consts::LOG2_E / (hd as f32).sqrt()).to_bits(),
+                0,
+                0,
+                0,
+            ]);
+            for (i, l) in cpu.layers.iter().enumerate() {
+                let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
+                let up16 = |name: &str, d: &[f32]| upload_f16(&format!("layer {i} {name}"), d);
+                let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
+                let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
+                // Q, K and V as one n x 3h GEMM: their weights stacked by rows.
+                let qkv_w: Vec<f32> = [&l.q.0, &l.k.0, &l.v.0]
+                    .iter()
+                    .flat_map(|m| m.data().iter().copied())
+                    .collect();
+                let qkv_b: Vec<f32> = [&l.q.1, &l.k.1, &l.v.1]
+                    .iter()
+                    .flat_map(|b| b.iter().copied())
+                    .collect();
+                let (qkv_w, qkv_b) = (up16("qkv w", &qkv_w), up("qkv b", &qkv_b));
+                let (ow, ob) = (up16("o w", l.o.0.data()), up("o b", &l.o.1));
+                let (f1w, f1b) = (up16("fc1 w", l.fc1.0.data()), up("fc1 b", &l.fc1.1));
+                let (f2w, f2b) = (up16("fc2 w", l.fc2.0.data()), up("fc2 b", &l.fc2.1));
+                norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true);
+                let qkv_shape = (n, 3 * h, h);
+                gemm(
+                    &mut body,
+                    &xn16,
+                    &qkv_w,
+                    Some(&qkv_b),
+                    &qkv16,
+                    qkv_shape,
+                    GEMM_F16_OUT,
+                );
                 body.push(Dispatch {
                     pipeline: ATTENTION_COOP,
-                    bind: bind(ATTENTION_COOP, &[q16, k16, v16, &a, &attn_params]),
-                    groups: ((n / 16) as u32, c.heads as u32, 1),
+                    bind: bind(ATTENTION_COOP, &[&qkv16, &xn16, &attn_params, &qkv16]),
+                    groups: ((n / (16 * query_subgroups)) as u32, c.heads as u32, 1),
                 });
-            } else {
+                gemm(
+                    &mut body,
+                    &xn16,
+                    &ow,
+                    Some(&ob),
+                    &x,
+                    (n, h, h),
+                    GEMM_RESIDUAL,
+                );
+                norm(&mut body, &x, (&ln2w, &ln2b), &xn16, true);
+                let fc1_shape = (n, c.intermediate, h);
+                gemm(
+                    &mut body,
+                    &xn16,
+                    &f1w,
+                    Some(&f1b),
+                    &mid16,
+                    fc1_shape,
+                    GEMM_GELU | GEMM_F16_OUT,
+                );
+                let fc2_shape = (n, h, c.intermediate);
+                gemm(
+                    &mut body,
+                    &mid16,
+                    &f2w,
+                    Some(&f2b),
+                    &x,
+                    fc2_shape,
+                    GEMM_RESIDUAL,
+                );
+            }
+        } else {
+            let w_patch = upload("patch w", cpu.patch.0.data());
+            linear(
+                &mut body,
+                &patches,
+                &w_patch,
+                Some(&b_patch),
+                &x,
+                (n, h, pp),
+                0,
+            );
+            body.push(add_positions);
+            let xn = scratch("x normed", n * h);
+            let (q, k, v, a) = (
+                scratch("q", n * h),
+                scratch("k", n * h),
+                scratch("v", n * h),
+                scratch("attention", n * h),
+            );
+            let mid = scratch("mlp", n * c.intermediate);
+            let attn_params = uniform(&[
+                n as u32,
+                c.heads as u32,
+                hd as u32,
+                h as u32,
+                (1.0 / (hd as f32).sqrt()).to_bits(),
+                0,
+                0,
+                0,
+            ]);
+            for (i, l) in cpu.layers.iter().enumerate() {
+                let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
+                let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
+                let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
+                let lin = |name: &str, (w, b): &(npu_hal::DenseMatrix, Vec<f32>)| {
+                    (
+                        up(&format!("{name} w"), w.data()),
+                        up(&format!("{name} b"), b),
+                    )
+                };
+                let (qw, qb) = lin("q", &l.q);
+                let (kw, kb) = lin("k", &l.k);
+                let (vw, vb) = lin("v", &l.v);
+                let (ow, ob) = lin("o", &l.o);
+                let (f1w, f1b) = lin("fc1", &l.fc1);
+                let (f2w, f2b) = lin("fc2", &l.fc2);
+                norm(&mut body, &x, (&ln1w, &ln1b), &xn, false);
+                linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
+                linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), 0);
+                linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), 0);
                 // The tiled kernel keeps 16 x head_dim of Q, K and V in workgroup memory: up to 64.
                 body.push(if hd <= 64 && options.attention == AttentionKernel::Tiled {
                     Dispatch {
@@ -530,43 +708,31 @@ impl GpuVisionEncoder {
                         groups: ((n as u32).div_ceil(64), c.heads as u32, 1),
                     }
                 });
+                linear(&mut body, &a, &ow, Some(&ob), &x, (n, h, h), 4);
+                norm(&mut body, &x, (&ln2w, &ln2b), &xn, false);
+                let fc1_shape = (n, c.intermediate, h);
+                linear(&mut body, &xn, &f1w, Some(&f1b), &mid, fc1_shape, 2);
+                let fc2_shape = (n, h, c.intermediate);
+                linear(&mut body, &mid, &f2w, Some(&f2b), &x, fc2_shape, 4);
             }
-            linear(&mut body, &a, &ow, Some(&ob), &x, (n, h, h), 4);
-            norm(&mut body, &x, (&ln2w, &ln2b), &xn);
-            linear(
-                &mut body,
-                &xn,
-                &f1w,
-                Some(&f1b),
-                &mid,
-                (n, c.intermediate, h),
-                2,
-            );
-            linear(
-                &mut body,
-                &mid,
-                &f2w,
-                Some(&f2b),
-                &x,
-                (n, h, c.intermediate),
-                4,
-            );
         }
         let (pw, pb) = (
             upload("post ln w", &cpu.post_ln.0),
             upload("post ln b", &cpu.post_ln.1),
         );
-        norm(&mut body, &x, (&pw, &pb), &vision_out);
+        norm(&mut body, &x, (&pw, &pb), &vision_out, false);
         let shuffle_params = uniform(&[side as u32, h as u32, c.scale_factor as u32, 0]);
         let shuffle_bind = bind(SHUFFLE, &[&vision_out, &shuffled, &shuffle_params]);
-        let (projection, projection16) = weight("projection", &cpu.projection);
-        let coop_projection = projection16.filter(|_| {
-            tokens.is_multiple_of(32)
-                && c.text_hidden.is_multiple_of(32)
-                && (h * f2).is_multiple_of(16)
-                && tokens * h * f2 <= n * c.intermediate.max(pp).max(h)
-        });
-        let shuffled_len = uniform(&[(tokens * h * f2) as u32, 0, 0, 0]);
+        // The connector's projection: on tensor cores when its sizes fit the GEMM's contract.
+        let projection_fits = c.text_hidden.is_multiple_of(8) && (h * f2).is_multiple_of(4);
+        let projection = match gemm_in16.filter(|_| projection_fits) {
+            Some(x16) => Projection::Coop {
+                w16: upload_f16("projection", cpu.projection.data()),
+                x16,
+                len: uniform(&[(tokens * h * f2) as u32, 0, 0, 0]),
+            },
+            None => Projection::F32(upload("projection", cpu.projection.data())),
+        };
         let projection_params = uniform(&[tokens as u32, c.text_hidden as u32, (h * f2) as u32, 0]);
         let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);
         Ok(GpuVisionEncoder {
@@ -578,16 +744,16 @@ impl GpuVisionEncoder {
             vision_out,
             shuffled,
             projection,
-            coop_projection: coop_projection.zip(x16).map(|(w16, x16)| CoopProjection {
-                w16,
-                x16,
-                len: shuffled_len,
-            }),
             im2col_params,
             projection_params,
             shuffle_bind,
             no_bias,
         })
+    }
+
+    /// The kernels this encoder runs (after any fallback `with_options` made).
+    pub fn options(&self) -> GpuVisionOptions {
+        self.options
     }
 
     /// The shape.
@@ -625,10 +791,9 @@ impl GpuVisionEncoder {
             .options
             .gemm
             .pipeline_for(c.hidden * c.scale_factor * c.scale_factor);
-        let projection: &[usize] = if self.coop_projection.is_some() {
-            &[TO_F16, LINEAR_COOP]
-        } else {
-            &[linear]
+        let projection: &[usize] = match self.projection {
+            Projection::Coop { .. } => &[TO_F16, GEMM_COOP],
+            Projection::F32(_) => &[linear],
         };
         std::iter::once(IM2COL)
             .chain(self.body.iter().map(|d| d.pipeline))
@@ -661,47 +826,42 @@ impl GpuVisionEncoder {
         let f2 = c.scale_factor * c.scale_factor;
         let (linear, tile) = self.options.gemm.pipeline_for(c.hidden * f2);
         // The connector's projection: on tensor cores (convert, then multiply) or in f32.
-        let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.coop_projection {
-            Some(cp) => vec![
-                (
-                    TO_F16,
-                    bind(TO_F16, &[&self.shuffled, &cp.x16, &cp.len]),
-                    groups_1d((c.image_tokens() * c.hidden * f2) as u32),
-                ),
-                (
-                    LINEAR_COOP,
-                    bind(
-                        LINEAR_COOP,
-                        &[
-                            &cp.x16,
-                            &cp.w16,
-                            &self.no_bias,
-                            out,
-                            &self.projection_params,
-                        ],
+        let (tokens, width) = (c.image_tokens(), c.text_hidden);
+        let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.projection {
+            Projection::Coop { w16, x16, len } => {
+                let rows = self.options.coop_block_rows as usize;
+                let gemm_bind = bind(
+                    GEMM_COOP,
+                    &[x16, w16, &self.no_bias, out, &self.projection_params],
+                );
+                vec![
+                    (
+                        TO_F16,
+                        bind(TO_F16, &[&self.shuffled, x16, len]),
+                        groups_1d((tokens * c.hidden * f2) as u32),
                     ),
                     (
-                        (c.text_hidden / 32) as u32,
-                        (c.image_tokens() / 32) as u32,
-                        1,
+                        GEMM_COOP,
+                        gemm_bind,
+                        (width.div_ceil(64) as u32, tokens.div_ceil(rows) as u32, 1),
                     ),
-                ),
-            ],
-            None => vec![(
+                ]
+            }
+            Projection::F32(w) => vec![(
                 linear,
                 bind(
                     linear,
                     &[
                         &self.shuffled,
-                        &self.projection,
+                        w,
                         &self.no_bias,
                         out,
                         &self.projection_params,
                     ],
                 ),
                 (
-                    (c.text_hidden as u32).div_ceil(tile),
-                    (c.image_tokens() as u32).div_ceil(tile),
+                    (width as u32).div_ceil(tile),
+                    (tokens as u32).div_ceil(tile),
                     1,
                 ),
             )],

@@ -159,13 +159,16 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
     assert!(rel_diff(&plain, last) > 1e-3);
 }
 
-/// The tensor-core path (cooperative matrices, f16 inputs, f32 accumulation) against the CPU
-/// reference, on a tower whose GEMMs all take it (every m, n a multiple of 32, k of 16). Runs
-/// under `cargo xtask device-test` where an adapter offers cooperative matrices; lavapipe does
-/// not, so it is ignored (never a pass) elsewhere.
+/// The tensor-core path (cooperative matrices, f16 weights and activations, f32 accumulation)
+/// against the CPU reference: a tower of 64 patches (attention in one subgroup per workgroup)
+/// and one of 256 (keys split over 4 subgroups), with both GEMM block sizes, and a connector
+/// whose 16 image tokens leave most of a 64-row block empty. Runs under `cargo xtask
+/// device-test` where an adapter offers cooperative matrices; lavapipe does not, so it is
+/// ignored (never a pass) elsewhere.
 #[test]
-#[ignore = "hardware: needs a Vulkan adapter with cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 f16) and f16 shaders"]
+#[ignore = "hardware: needs a Vulkan adapter with cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 f16), f16 shaders and 32-wide subgroups"]
 fn the_coop_matrix_encoder_matches_the_cpu_reference() {
+    use pipeline::vision_gpu::{GemmKernel, GpuVisionEncoder};
     let adapter = vulkan_adapter().expect("a Vulkan adapter");
     assert!(
         pipeline::vision_gpu::coop_features(&adapter).is_some(),
@@ -173,34 +176,48 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
         adapter.get_info().name
     );
     let (desc, options) = pipeline::vision_gpu::device_descriptor(&adapter);
-    assert_eq!(options.gemm, pipeline::vision_gpu::GemmKernel::Coop);
+    assert_eq!(options.gemm, GemmKernel::Coop);
     let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc).unwrap();
-    let config = pipeline::vision::VisionConfig {
-        image_size: 128,
-        patch_size: 16,
-        hidden: 128,
-        intermediate: 512,
-        layers: 2,
-        heads: 2,
-        layer_norm_eps: 1e-6,
-        scale_factor: 2,
-        text_hidden: 96,
-    };
-    let cpu = VisionEncoder::random(config, 5).unwrap();
-    let pixels: Vec<f32> = (0..3 * 128 * 128)
-        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
-        .collect();
-    let want = cpu.encode(&pixels).unwrap();
-    let gpu =
-        pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-    let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
-    let rel = rel_diff(&got, &want);
-    eprintln!("coop encoder vs CPU reference: {rel} relative");
-    // f16 inputs to every GEMM (11-bit mantissas), f32 accumulation.
-    assert!(
-        rel < 2e-2,
-        "coop encoder differs from the CPU reference by {rel}"
-    );
+    for image_size in [128, 256] {
+        let config = pipeline::vision::VisionConfig {
+            image_size,
+            patch_size: 16,
+            hidden: 128,
+            intermediate: 512,
+            layers: 2,
+            heads: 2,
+            layer_norm_eps: 1e-6,
+            scale_factor: 2,
+            text_hidden: 96,
+        };
+        pipeline::vision_gpu::coop_fits(&config).unwrap();
+        let cpu = VisionEncoder::random(config, 5).unwrap();
+        let pixels: Vec<f32> = (0..3 * image_size * image_size)
+            .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
+            .collect();
+        let want = cpu.encode(&pixels).unwrap();
+        for coop_block_rows in [64, 128] {
+            let options = pipeline::vision_gpu::GpuVisionOptions {
+                coop_block_rows,
+                ..options
+            };
+            let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+            assert_eq!(
+                gpu.options(),
+                options,
+                "the tower fits the tensor-core kernels"
+            );
+            let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+            let rel = rel_diff(&got, &want);
+            eprintln!("coop encoder ({image_size}px, {coop_block_rows}-row blocks) vs CPU: {rel}");
+            // f16 weights and activations (11-bit mantissas), f32 accumulation.
+            assert!(
+                rel < 2e-2,
+                "coop encoder ({image_size}px, {coop_block_rows}-row blocks) differs from the \
+                 CPU reference by {rel}"
+            );
+        }
+    }
 }
 
 /// The same tower from llama.cpp's mmproj GGUF (CLIP names, f16 matrices; made by
@@ -387,18 +404,22 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
         GpuVisionOptions {
             gemm: GemmKernel::Small,
             attention: AttentionKernel::PerQuery,
+            coop_block_rows: 0,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
             attention: AttentionKernel::Tiled,
+            coop_block_rows: 0,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::PerQuery,
+            coop_block_rows: 0,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::Tiled,
+            coop_block_rows: 0,
         },
     ] {
         let gpu =
