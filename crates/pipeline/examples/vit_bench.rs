@@ -5,7 +5,8 @@
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
 //! [small|blocked|register|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
-//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_ROWS=64|128` picks the tensor-core GEMM's block)
+//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_ROWS=64|128` picks the tensor-core GEMM's block;
+//! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -32,10 +33,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         _ => pipeline::vision_gpu::AttentionKernel::Tiled,
     };
     let coop_block_rows = std::env::var("VIT_COOP_ROWS").map_or(Ok(0), |v| v.parse())?;
+    // `mx:FORMAT` anywhere after the shape: GEMM weights in that MX format, decoded in-kernel.
+    let mx_weights = match args.iter().find_map(|a| a.strip_prefix("mx:")) {
+        Some(name) => Some(
+            mx_quant::ElemFormat::from_name(name)
+                .ok_or_else(|| format!("unknown MX format {name}"))?,
+        ),
+        None => None,
+    };
     let options = pipeline::vision_gpu::GpuVisionOptions {
         gemm,
         attention,
         coop_block_rows,
+        mx_weights,
     };
     let config = match shape {
         "b16-512" => VisionConfig {
@@ -81,7 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pixels: Vec<f32> = (0..3 * s * s)
         .map(|i| ((i % 255) as f32 / 127.5) - 1.0)
         .collect();
-    let profile = args.get(6).is_some_and(|a| a == "profile");
+    let profile = args.iter().skip(6).any(|a| a == "profile");
     let mut kernel_ms: Option<serde_json::Map<String, serde_json::Value>> = None;
     let mut times = Vec::with_capacity(iters);
     let device_name;

@@ -156,6 +156,11 @@ enum Cmd {
         /// Where the encoder runs.
         #[arg(long, value_enum, default_value = "gpu")]
         backend: BackendArg,
+        /// Convert the GEMM weights to this MX format at load (fp8_e4m3, fp8_e5m2, fp6_e3m2,
+        /// fp6_e2m3, fp4_e2m1, int8): the GPU kernels decode them as they read them; the CPU
+        /// backend computes with the same values rounded through MX.
+        #[arg(long, value_parser = parse_mx_format)]
+        mx_weights: Option<mx_quant::ElemFormat>,
         /// Output .npy file (f32).
         #[arg(long)]
         out: PathBuf,
@@ -737,6 +742,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             pixels,
             stage,
             backend,
+            mx_weights,
             out,
         } => {
             let cpu = pipeline::vision::VisionEncoder::open_path(&vlm)?;
@@ -794,6 +800,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let t = std::time::Instant::now();
             let (result, shape) = match backend {
                 BackendArg::Cpu => {
+                    let cpu = match mx_weights {
+                        Some(format) => cpu.with_mx_weights(format)?,
+                        None => cpu,
+                    };
                     let v = cpu.vision(&values)?;
                     let c = cpu.config();
                     match stage {
@@ -806,7 +816,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                         ),
                     }
                 }
-                BackendArg::Gpu => encode_on_gpu(&cpu, &values, stage)?,
+                BackendArg::Gpu => encode_on_gpu(&cpu, &values, stage, mx_weights)?,
             };
             let elapsed = t.elapsed();
             let file = std::fs::File::create(&out)
@@ -864,20 +874,33 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// An MX element format by name, for `--mx-weights`.
+fn parse_mx_format(name: &str) -> Result<mx_quant::ElemFormat, String> {
+    mx_quant::ElemFormat::from_name(name).ok_or_else(|| {
+        format!(
+            "unknown MX format {name}: fp8_e4m3, fp8_e5m2, fp6_e3m2, fp6_e2m3, fp4_e2m1 or int8"
+        )
+    })
+}
+
 /// Runs the WGSL encoder on the first Vulkan adapter; the image goes up in a unified buffer
 /// imported as-is and the result is read where the GPU wrote it.
 fn encode_on_gpu(
     cpu: &pipeline::vision::VisionEncoder,
     values: &[f32],
     stage: StageArg,
+    mx_weights: Option<mx_quant::ElemFormat>,
 ) -> Result<(Vec<f32>, Vec<u64>), Box<dyn std::error::Error>> {
     use std::sync::Arc;
     use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer};
     // The same device, features and kernel choice the chain's GPU stages use.
     let context = pipeline::chain::GpuContext::open().map_err(|e| e.to_string())?;
     let (device, queue, caps) = (&context.device, &context.queue, &context.caps);
-    let gpu =
-        pipeline::vision_gpu::GpuVisionEncoder::with_options(device, cpu, context.vision_options)?;
+    let options = pipeline::vision_gpu::GpuVisionOptions {
+        mx_weights,
+        ..context.vision_options
+    };
+    let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(device, cpu, options)?;
     let allocator = uvm_alloc::Allocator::new(Default::default())?;
     let input = allocator.allocate(values.len() * 4)?;
     input

@@ -431,6 +431,59 @@ impl VisionEncoder {
         })
     }
 
+    /// This encoder with every GEMM weight whose rows are whole MX blocks (a multiple of 32
+    /// columns) rounded through `format`: quantized with mx-quant's default options (the spec's
+    /// FLOOR scale, ties to even) and decoded back. The values are exactly those the GPU
+    /// encoder decodes from its MX weights ([`crate::vision_gpu::GpuVisionOptions::mx_weights`]),
+    /// so this is the CPU reference for that path, and the CPU encoder's view of MX weights
+    /// (held here as f32: the CPU GEMMs do not read MX).
+    pub fn with_mx_weights(
+        &self,
+        format: mx_quant::ElemFormat,
+    ) -> Result<VisionEncoder, VisionError> {
+        let round = |m: &DenseMatrix| -> Result<DenseMatrix, VisionError> {
+            let (rows, cols) = m.shape();
+            if !cols.is_multiple_of(32) {
+                return Ok(m.clone());
+            }
+            let data = m.data();
+            let mx_error = |e: mx_quant::Error| VisionError::Input(format!("MX weights: {e}"));
+            let mut scales = vec![0u8; data.len() / 32];
+            let mut packed = vec![0u8; mx_quant::layout::packed_len(format, data.len())];
+            mx_quant::bulk::quantize(format, Default::default(), data, &mut scales, &mut packed)
+                .map_err(mx_error)?;
+            let mut back = vec![0f32; data.len()];
+            mx_quant::bulk::dequantize(format, &scales, &packed, &mut back).map_err(mx_error)?;
+            Ok(DenseMatrix::new(rows, cols, back).expect("same shape"))
+        };
+        let linear =
+            |(w, b): &(DenseMatrix, Vec<f32>)| Ok::<_, VisionError>((round(w)?, b.clone()));
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    ln1: l.ln1.clone(),
+                    q: linear(&l.q)?,
+                    k: linear(&l.k)?,
+                    v: linear(&l.v)?,
+                    o: linear(&l.o)?,
+                    ln2: l.ln2.clone(),
+                    fc1: linear(&l.fc1)?,
+                    fc2: linear(&l.fc2)?,
+                })
+            })
+            .collect::<Result<Vec<_>, VisionError>>()?;
+        Ok(VisionEncoder {
+            config: self.config.clone(),
+            patch: linear(&self.patch)?,
+            positions: self.positions.clone(),
+            layers,
+            post_ln: self.post_ln.clone(),
+            projection: round(&self.projection)?,
+        })
+    }
+
     /// A tower of `config`'s shape with seeded random weights (normal-ish, std 0.02; norms at 1):
     /// for benchmarks and tests that need the real sizes without a checkpoint.
     pub fn random(config: VisionConfig, seed: u64) -> Result<VisionEncoder, VisionError> {

@@ -51,7 +51,8 @@ struct Dispatch {
 /// The tower and connector on one wgpu device.
 pub struct GpuVisionEncoder {
     config: VisionConfig,
-    pipelines: Vec<wgpu::ComputePipeline>,
+    /// Indexed like KERNEL_NAMES; `None` for modules this encoder did not build.
+    pipelines: Vec<Option<wgpu::ComputePipeline>>,
     options: GpuVisionOptions,
     /// Dispatches that do not depend on the input and output buffers.
     body: Vec<Dispatch>,
@@ -69,11 +70,11 @@ pub struct GpuVisionEncoder {
 
 /// The connector's projection weight, and how it runs.
 enum Projection {
-    /// The f32 GEMM the options chose.
-    F32(wgpu::Buffer),
-    /// On tensor cores: the f16 weight, the f16 input scratch and the conversion's length.
+    /// An f32 GEMM: the one the options chose, or `linear_reg_mx` over MX weights.
+    F32(GpuWeight),
+    /// On tensor cores: the weight, the f16 input scratch and the conversion's length.
     Coop {
-        w16: wgpu::Buffer,
+        w: GpuWeight,
         x16: wgpu::Buffer,
         len: wgpu::Buffer,
     },
@@ -102,6 +103,8 @@ const TO_F16: usize = 9;
 const GEMM_COOP: usize = 10;
 const ATTENTION_COOP: usize = 11;
 const LAYER_NORM_F16: usize = 12;
+// Present only with MX weights (vit_mx.wgsl).
+const LINEAR_REG_MX: usize = 13;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
 const GEMM_BIAS: u32 = 1;
@@ -110,7 +113,7 @@ const GEMM_RESIDUAL: u32 = 4;
 const GEMM_F16_OUT: u32 = 8;
 
 /// Entry point of each pipeline index, for profiles.
-const KERNEL_NAMES: [&str; 13] = [
+const KERNEL_NAMES: [&str; 14] = [
     "linear",
     "layer_norm",
     "attention",
@@ -124,7 +127,38 @@ const KERNEL_NAMES: [&str; 13] = [
     "gemm_coop",
     "attention_coop",
     "layer_norm_f16",
+    "linear_reg_mx",
 ];
+
+/// The f32 GEMM over MX weights (vit_mx.wgsl; compiled after the format's constants and
+/// mx-quant's decoding functions).
+const MX_SHADER: &str = include_str!("shaders/vit_mx.wgsl");
+
+/// A GEMM weight on the device: plain (f32 for the f32 kernels, f16 for the tensor-core ones)
+/// or MX codes and scales in mx-quant's linear layout, decoded inside the kernel.
+enum GpuWeight {
+    Plain(wgpu::Buffer),
+    Mx {
+        codes: wgpu::Buffer,
+        scales: wgpu::Buffer,
+    },
+}
+
+impl GpuWeight {
+    /// The weight's buffers in binding order: the weight (or codes) at 1, scales at 5.
+    fn bind<'a>(
+        &'a self,
+        x: &'a wgpu::Buffer,
+        b: &'a wgpu::Buffer,
+        y: &'a wgpu::Buffer,
+        params: &'a wgpu::Buffer,
+    ) -> Vec<&'a wgpu::Buffer> {
+        match self {
+            GpuWeight::Plain(w) => vec![x, w, b, y, params],
+            GpuWeight::Mx { codes, scales } => vec![x, codes, b, y, params, scales],
+        }
+    }
+}
 
 /// The tensor-core kernels (vit_coop.wgsl).
 const COOP_SHADER: &str = include_str!("shaders/vit_coop.wgsl");
@@ -175,15 +209,39 @@ const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::SUBGROUP)
     .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
 
-/// The tensor-core module with its two tile constants set: rows per GEMM workgroup and
-/// subgroups (16 queries each) per attention workgroup.
-fn coop_source(block_rows: usize, query_subgroups: usize) -> String {
+/// The tensor-core module with its two tile constants set (rows per GEMM workgroup, subgroups
+/// of 16 queries per attention workgroup) and, with MX weights, the GEMM's weight source
+/// swapped for MX codes and scales decoded by mx-quant's WGSL functions.
+fn coop_source(
+    block_rows: usize,
+    query_subgroups: usize,
+    mx: Option<mx_quant::ElemFormat>,
+) -> String {
     let gemm = "const BM: u32 = 64u;";
     let keys = "const QSUB: u32 = 4u;";
     debug_assert!(COOP_SHADER.contains(gemm) && COOP_SHADER.contains(keys));
-    COOP_SHADER
+    let mut source = COOP_SHADER
         .replace(gemm, &format!("const BM: u32 = {block_rows}u;"))
-        .replace(keys, &format!("const QSUB: u32 = {query_subgroups}u;"))
+        .replace(keys, &format!("const QSUB: u32 = {query_subgroups}u;"));
+    if let Some(format) = mx {
+        let start = source
+            .find("// <w-source>")
+            .expect("marked in vit_coop.wgsl");
+        let end = source
+            .find("// </w-source>")
+            .expect("marked in vit_coop.wgsl");
+        source.replace_range(
+            start..end,
+            "@group(0) @binding(1) var<storage, read> mx_codes: array<u32>;\n\
+             @group(0) @binding(5) var<storage, read> mx_scales: array<u32>;\n\
+             alias WRaw = vec4<u32>;\n\
+             fn w_load(at: u32) -> WRaw {\n    return mx_load4(at);\n}\n\
+             fn w_decode(raw: WRaw) -> vec4<f16> {\n    return vec4<f16>(mx_unpack4(raw));\n}\n",
+        );
+        source.push_str(&mx_quant::wgsl::decode_constants(format));
+        source.push_str(mx_quant::wgsl::DECODE_SOURCE);
+    }
+    source
 }
 
 /// Whether the tensor-core kernels take this tower, and if not, why: the patch count a
@@ -253,6 +311,12 @@ pub struct GpuVisionOptions {
     pub attention: AttentionKernel,
     /// Rows of y per workgroup of the tensor-core GEMM: 64 or 128 (0 = the measured default).
     pub coop_block_rows: u32,
+    /// GEMM weights in this MX format, decoded inside the kernels: the f32 path's GEMMs over
+    /// whole MX blocks (k a multiple of 32) run `linear_reg_mx`, and the tensor-core GEMM
+    /// decodes its weight tiles as it stages them (then every GEMM's k must be a multiple of
+    /// 32). Weights are quantized at load with mx-quant's default options, exactly as
+    /// [`VisionEncoder::with_mx_weights`] rounds them for the CPU.
+    pub mx_weights: Option<mx_quant::ElemFormat>,
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, plus
@@ -288,6 +352,7 @@ impl GpuVisionOptions {
                 gemm: GemmKernel::Register,
                 attention: AttentionKernel::PerQuery,
                 coop_block_rows: 0,
+                mx_weights: None,
             }
         } else {
             GpuVisionOptions::default()
@@ -392,40 +457,67 @@ impl GpuVisionEncoder {
         // Attention workgroups take 64 queries (4 subgroups of 16) sharing each staged K and V
         // block: 2 subgroups measured 2x slower on an H200.
         let query_subgroups = 4;
-        // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points first, then
-        // (coop only) the tensor-core module's.
-        let compile = |module: &wgpu::ShaderModule, entries: &[&str], zero_workgroup: bool| {
-            entries
-                .iter()
-                .map(|entry| {
-                    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                        label: Some(entry),
-                        layout: None,
-                        module,
-                        entry_point: Some(entry),
-                        compilation_options: wgpu::PipelineCompilationOptions {
-                            zero_initialize_workgroup_memory: zero_workgroup,
-                            ..Default::default()
-                        },
-                        cache: None,
-                    })
-                })
-                .collect::<Vec<_>>()
-        };
+        let mx = options.mx_weights;
+        if let Some(format) = mx
+            && coop
+        {
+            let inner = [pp, h, c.intermediate, h * c.scale_factor * c.scale_factor];
+            if let Some(k) = inner.iter().find(|k| !k.is_multiple_of(32)) {
+                return Err(GpuVisionError::Invalid(format!(
+                    "{format:?} weights on the tensor-core path need every GEMM's inner size \
+                     to be a multiple of 32 (whole MX blocks); this tower has {k}"
+                )));
+            }
+        }
+        // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points, then the
+        // tensor-core module's (coop only), then the MX GEMM's (MX weights only).
+        let mut pipelines: Vec<Option<wgpu::ComputePipeline>> = vec![None; KERNEL_NAMES.len()];
+        let mut compile =
+            |module: &wgpu::ShaderModule, first: usize, count: usize, zero_workgroup: bool| {
+                for (index, entry) in KERNEL_NAMES.iter().enumerate().skip(first).take(count) {
+                    let pipeline =
+                        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                            label: Some(entry),
+                            layout: None,
+                            module,
+                            entry_point: Some(entry),
+                            compilation_options: wgpu::PipelineCompilationOptions {
+                                zero_initialize_workgroup_memory: zero_workgroup,
+                                ..Default::default()
+                            },
+                            cache: None,
+                        });
+                    pipelines[index] = Some(pipeline);
+                }
+            };
         let f32_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some("vit"),
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
-        let mut pipelines = compile(&f32_module, &KERNEL_NAMES[..TO_F16], true);
+        compile(&f32_module, 0, TO_F16, true);
+        if let Some(format) = mx {
+            let source = format!(
+                "{}{}{MX_SHADER}",
+                mx_quant::wgsl::decode_constants(format),
+                mx_quant::wgsl::DECODE_SOURCE
+            );
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some("vit mx"),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+            compile(&module, LINEAR_REG_MX, 1, true);
+        }
         if coop {
-            let source = coop_source(block_rows, query_subgroups);
+            let source = coop_source(block_rows, query_subgroups, mx);
             // SAFETY: `create_shader_module_trusted` drops the runtime bounds checks (and loop
             // bounding) naga would add; an out-of-bounds access would then be undefined
             // behaviour on the device. Every dispatch of this module is built below from the
             // tower's validated sizes, for buffers allocated from the same sizes, and each
             // meets its kernel's stated contract (vit_coop.wgsl): `gemm_coop` clamps its tile
             // loads to rows < m and n and columns < k, and runs only when coop_fits holds
-            // (n a multiple of 8, k of 4); `attention_coop` reads rows < n of an n x 3h buffer
+            // (n a multiple of 8, k of 4; with MX weights, codes for n x k elements plus the
+            // spare word `mx_load4` reads, scales for them, and k a multiple of 32, checked
+            // above); `attention_coop` reads rows < n of an n x 3h buffer
             // and runs only when n is a multiple of 64 (= 16 * QSUB); `layer_norm_f16` and
             // `to_f16` guard their indices against the lengths they are given. Workgroup
             // memory is not zeroed: each kernel writes what it reads first.
@@ -438,8 +530,9 @@ impl GpuVisionEncoder {
                     wgpu::ShaderRuntimeChecks::unchecked(),
                 )
             };
-            pipelines.extend(compile(&module, &KERNEL_NAMES[TO_F16..], false));
+            compile(&module, TO_F16, LINEAR_REG_MX - TO_F16, false);
         }
+        let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
             device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(label),
@@ -477,8 +570,40 @@ impl GpuVisionEncoder {
             })
         };
         let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
-            bind_buffers(device, &pipelines[pipeline], buffers)
+            let built = pipelines[pipeline].as_ref().expect("the module was built");
+            bind_buffers(device, built, buffers)
         };
+        // A GEMM weight (rows x cols, row-major) as this encoder reads it: MX when asked for
+        // and the rows are whole blocks, else f16 (tensor cores) or f32.
+        let weight =
+            |label: &str, data: &[f32], cols: usize| -> Result<GpuWeight, GpuVisionError> {
+                match mx {
+                    Some(format) if cols.is_multiple_of(32) => {
+                        let mx_error = |e: mx_quant::Error| {
+                            GpuVisionError::Invalid(format!("{label} as {format:?}: {e}"))
+                        };
+                        let mut scales = vec![0u8; data.len() / 32];
+                        let mut packed =
+                            vec![0u8; mx_quant::layout::packed_len(format, data.len())];
+                        let quant = mx_quant::QuantOptions::default();
+                        mx_quant::bulk::quantize(format, quant, data, &mut scales, &mut packed)
+                            .map_err(mx_error)?;
+                        let words = |what: &str, words: Vec<u32>| {
+                            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                                label: Some(&format!("{label} {what}")),
+                                contents: bytemuck::cast_slice(&words),
+                                usage: wgpu::BufferUsages::STORAGE,
+                            })
+                        };
+                        Ok(GpuWeight::Mx {
+                            codes: words("codes", mx_quant::wgsl::code_words(&packed)),
+                            scales: words("scales", mx_quant::wgsl::words(&scales)),
+                        })
+                    }
+                    _ if coop => Ok(GpuWeight::Plain(upload_f16(label, data))),
+                    _ => Ok(GpuWeight::Plain(upload(label, data))),
+                }
+            };
         let no_bias = upload("no bias", &[0.0]);
         let patches = scratch("patches", n * pp);
         let x = scratch("x", n * h);
@@ -509,7 +634,7 @@ impl GpuVisionEncoder {
         // A tensor-core GEMM: x (m x k f16) times w16 (n x k f16) into y (f32 or f16 pairs).
         let gemm = |body: &mut Vec<Dispatch>,
                     x16: &wgpu::Buffer,
-                    w16: &wgpu::Buffer,
+                    w: &GpuWeight,
                     b: Option<&wgpu::Buffer>,
                     y: &wgpu::Buffer,
                     (m, nn, kk): (usize, usize, usize),
@@ -522,24 +647,27 @@ impl GpuVisionEncoder {
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
             body.push(Dispatch {
                 pipeline: GEMM_COOP,
-                bind: bind(GEMM_COOP, &[x16, w16, b.unwrap_or(&no_bias), y, &params]),
+                bind: bind(GEMM_COOP, &w.bind(x16, b.unwrap_or(&no_bias), y, &params)),
                 groups: (nn.div_ceil(64) as u32, m.div_ceil(block_rows) as u32, 1),
             });
         };
         // An f32 GEMM with the kernel `options` chose.
         let linear = |body: &mut Vec<Dispatch>,
                       x: &wgpu::Buffer,
-                      w: &wgpu::Buffer,
+                      w: &GpuWeight,
                       b: Option<&wgpu::Buffer>,
                       y: &wgpu::Buffer,
                       (m, nn, kk): (usize, usize, usize),
                       flags: u32| {
             let flags = flags | u32::from(b.is_some());
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
-            let (pipeline, tile) = options.gemm.pipeline_for(kk);
+            let (pipeline, tile) = match w {
+                GpuWeight::Plain(_) => options.gemm.pipeline_for(kk),
+                GpuWeight::Mx { .. } => (LINEAR_REG_MX, 32),
+            };
             body.push(Dispatch {
                 pipeline,
-                bind: bind(pipeline, &[x, w, b.unwrap_or(&no_bias), y, &params]),
+                bind: bind(pipeline, &w.bind(x, b.unwrap_or(&no_bias), y, &params)),
                 groups: ((nn as u32).div_ceil(tile), (m as u32).div_ceil(tile), 1),
             });
         };
@@ -560,7 +688,7 @@ impl GpuVisionEncoder {
                 bind: bind(TO_F16, &[&patches, x16, &len]),
                 groups: groups_1d((n * pp) as u32),
             });
-            let w = upload_f16("patch w", cpu.patch.0.data());
+            let w = weight("patch w", cpu.patch.0.data(), pp)?;
             gemm(&mut body, x16, &w, Some(&b_patch), &x, (n, h, pp), 0);
             body.push(add_positions);
             // Per layer: LN -> QKV (f16) -> attention (f16) -> O (+x) -> LN -> fc1+GELU (f16)
@@ -581,7 +709,9 @@ impl GpuVisionEncoder {
             ]);
             for (i, l) in cpu.layers.iter().enumerate() {
                 let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
-                let up16 = |name: &str, d: &[f32]| upload_f16(&format!("layer {i} {name}"), d);
+                let w = |name: &str, d: &[f32], cols: usize| {
+                    weight(&format!("layer {i} {name}"), d, cols)
+                };
                 let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
                 let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
                 // Q, K and V as one n x 3h GEMM: their weights stacked by rows.
@@ -593,10 +723,11 @@ impl GpuVisionEncoder {
                     .iter()
                     .flat_map(|b| b.iter().copied())
                     .collect();
-                let (qkv_w, qkv_b) = (up16("qkv w", &qkv_w), up("qkv b", &qkv_b));
-                let (ow, ob) = (up16("o w", l.o.0.data()), up("o b", &l.o.1));
-                let (f1w, f1b) = (up16("fc1 w", l.fc1.0.data()), up("fc1 b", &l.fc1.1));
-                let (f2w, f2b) = (up16("fc2 w", l.fc2.0.data()), up("fc2 b", &l.fc2.1));
+                let (qkv_w, qkv_b) = (w("qkv w", &qkv_w, h)?, up("qkv b", &qkv_b));
+                let (ow, ob) = (w("o w", l.o.0.data(), h)?, up("o b", &l.o.1));
+                let (f1w, f1b) = (w("fc1 w", l.fc1.0.data(), h)?, up("fc1 b", &l.fc1.1));
+                let inter = c.intermediate;
+                let (f2w, f2b) = (w("fc2 w", l.fc2.0.data(), inter)?, up("fc2 b", &l.fc2.1));
                 norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true);
                 let qkv_shape = (n, 3 * h, h);
                 gemm(
@@ -645,7 +776,7 @@ impl GpuVisionEncoder {
                 );
             }
         } else {
-            let w_patch = upload("patch w", cpu.patch.0.data());
+            let w_patch = weight("patch w", cpu.patch.0.data(), pp)?;
             linear(
                 &mut body,
                 &patches,
@@ -679,17 +810,18 @@ impl GpuVisionEncoder {
                 let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
                 let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
                 let lin = |name: &str, (w, b): &(npu_hal::DenseMatrix, Vec<f32>)| {
-                    (
-                        up(&format!("{name} w"), w.data()),
+                    let label = format!("layer {i} {name} w");
+                    Ok::<_, GpuVisionError>((
+                        weight(&label, w.data(), w.shape().1)?,
                         up(&format!("{name} b"), b),
-                    )
+                    ))
                 };
-                let (qw, qb) = lin("q", &l.q);
-                let (kw, kb) = lin("k", &l.k);
-                let (vw, vb) = lin("v", &l.v);
-                let (ow, ob) = lin("o", &l.o);
-                let (f1w, f1b) = lin("fc1", &l.fc1);
-                let (f2w, f2b) = lin("fc2", &l.fc2);
+                let (qw, qb) = lin("q", &l.q)?;
+                let (kw, kb) = lin("k", &l.k)?;
+                let (vw, vb) = lin("v", &l.v)?;
+                let (ow, ob) = lin("o", &l.o)?;
+                let (f1w, f1b) = lin("fc1", &l.fc1)?;
+                let (f2w, f2b) = lin("fc2", &l.fc2)?;
                 norm(&mut body, &x, (&ln1w, &ln1b), &xn, false);
                 linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
                 linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), 0);
@@ -727,11 +859,17 @@ impl GpuVisionEncoder {
         let projection_fits = c.text_hidden.is_multiple_of(8) && (h * f2).is_multiple_of(4);
         let projection = match gemm_in16.filter(|_| projection_fits) {
             Some(x16) => Projection::Coop {
-                w16: upload_f16("projection", cpu.projection.data()),
+                w: weight("projection", cpu.projection.data(), h * f2)?,
                 x16,
                 len: uniform(&[(tokens * h * f2) as u32, 0, 0, 0]),
             },
-            None => Projection::F32(upload("projection", cpu.projection.data())),
+            None if mx.is_some() && (h * f2).is_multiple_of(32) => {
+                Projection::F32(weight("projection", cpu.projection.data(), h * f2)?)
+            }
+            None => Projection::F32(GpuWeight::Plain(upload(
+                "projection",
+                cpu.projection.data(),
+            ))),
         };
         let projection_params = uniform(&[tokens as u32, c.text_hidden as u32, (h * f2) as u32, 0]);
         let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);
@@ -749,6 +887,13 @@ impl GpuVisionEncoder {
             shuffle_bind,
             no_bias,
         })
+    }
+
+    /// Pipeline `index` (KERNEL_NAMES); every index a dispatch uses was built by `with_options`.
+    fn pipeline(&self, index: usize) -> &wgpu::ComputePipeline {
+        self.pipelines[index]
+            .as_ref()
+            .expect("dispatches only use pipelines with_options built")
     }
 
     /// The kernels this encoder runs (after any fallback `with_options` made).
@@ -793,7 +938,8 @@ impl GpuVisionEncoder {
             .pipeline_for(c.hidden * c.scale_factor * c.scale_factor);
         let projection: &[usize] = match self.projection {
             Projection::Coop { .. } => &[TO_F16, GEMM_COOP],
-            Projection::F32(_) => &[linear],
+            Projection::F32(GpuWeight::Plain(_)) => &[linear],
+            Projection::F32(GpuWeight::Mx { .. }) => &[LINEAR_REG_MX],
         };
         std::iter::once(IM2COL)
             .chain(self.body.iter().map(|d| d.pipeline))
@@ -820,7 +966,7 @@ impl GpuVisionEncoder {
         let n = side * side;
         let pp = 3 * c.patch_size * c.patch_size;
         let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
-            bind_buffers(device, &self.pipelines[pipeline], buffers)
+            bind_buffers(device, self.pipeline(pipeline), buffers)
         };
         let im2col = bind(IM2COL, &[pixels, &self.patches, &self.im2col_params]);
         let f2 = c.scale_factor * c.scale_factor;
@@ -828,11 +974,11 @@ impl GpuVisionEncoder {
         // The connector's projection: on tensor cores (convert, then multiply) or in f32.
         let (tokens, width) = (c.image_tokens(), c.text_hidden);
         let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.projection {
-            Projection::Coop { w16, x16, len } => {
+            Projection::Coop { w, x16, len } => {
                 let rows = self.options.coop_block_rows as usize;
                 let gemm_bind = bind(
                     GEMM_COOP,
-                    &[x16, w16, &self.no_bias, out, &self.projection_params],
+                    &w.bind(x16, &self.no_bias, out, &self.projection_params),
                 );
                 vec![
                     (
@@ -847,24 +993,22 @@ impl GpuVisionEncoder {
                     ),
                 ]
             }
-            Projection::F32(w) => vec![(
-                linear,
-                bind(
-                    linear,
-                    &[
-                        &self.shuffled,
-                        w,
-                        &self.no_bias,
-                        out,
-                        &self.projection_params,
-                    ],
-                ),
-                (
-                    (width as u32).div_ceil(tile),
-                    (tokens as u32).div_ceil(tile),
-                    1,
-                ),
-            )],
+            Projection::F32(w) => {
+                let (pipeline, tile) = match w {
+                    GpuWeight::Plain(_) => (linear, tile),
+                    GpuWeight::Mx { .. } => (LINEAR_REG_MX, 32),
+                };
+                let buffers = w.bind(&self.shuffled, &self.no_bias, out, &self.projection_params);
+                vec![(
+                    pipeline,
+                    bind(pipeline, &buffers),
+                    (
+                        (width as u32).div_ceil(tile),
+                        (tokens as u32).div_ceil(tile),
+                        1,
+                    ),
+                )]
+            }
         };
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("vision encoder"),
@@ -875,7 +1019,7 @@ impl GpuVisionEncoder {
         }
         let mut written = 0;
         let mut run = |pipeline: usize, bind: &wgpu::BindGroup, (x, y, z): (u32, u32, u32)| {
-            pass.set_pipeline(&self.pipelines[pipeline]);
+            pass.set_pipeline(self.pipeline(pipeline));
             pass.set_bind_group(0, bind, &[]);
             pass.dispatch_workgroups(x, y, z);
             if let Some(q) = timestamps {

@@ -217,6 +217,28 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                  CPU reference by {rel}"
             );
         }
+        // MX weights decoded as the GEMM stages its weight tiles, against the CPU with the
+        // same rounded weights.
+        for format in [mx_quant::ElemFormat::Fp8E4M3, mx_quant::ElemFormat::Fp4E2M1] {
+            let want = cpu
+                .with_mx_weights(format)
+                .unwrap()
+                .encode(&pixels)
+                .unwrap();
+            let options = pipeline::vision_gpu::GpuVisionOptions {
+                mx_weights: Some(format),
+                ..options
+            };
+            let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+            assert_eq!(gpu.options().gemm, GemmKernel::Coop);
+            let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+            let rel = rel_diff(&got, &want);
+            eprintln!("coop encoder ({image_size}px, {format:?} weights) vs CPU: {rel}");
+            assert!(
+                rel < 2e-2,
+                "coop encoder with {format:?} weights differs by {rel}"
+            );
+        }
     }
 }
 
@@ -372,7 +394,117 @@ fn the_encode_command_writes_the_connector_output_as_npy() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("3x64x64"));
+    // `--mx-weights`: the GEMMs over whole MX blocks (patch embedding, fc2, projection) take
+    // FP8 weights, the same on the CPU and in the GPU kernels, and visibly not the f32 ones.
+    let encode_mx = |backend: &str, format: &str| {
+        let out = dir.join(format!("mx-{backend}-{format}.npy"));
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(["encode", "--vlm"])
+            .arg(fixture("hf"))
+            .arg("--pixels")
+            .arg(&pixels)
+            .args(["--backend", backend, "--mx-weights", format, "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        (run, out)
+    };
+    let (cpu_run, cpu_out) = encode_mx("cpu", "fp8_e4m3");
+    assert!(
+        cpu_run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cpu_run.stderr)
+    );
+    let cpu_mx: Vec<f32> = npyz::NpyFile::new(&std::fs::read(&cpu_out).unwrap()[..])
+        .unwrap()
+        .into_vec()
+        .unwrap();
+    assert!(
+        rel_diff(&cpu_mx, &got) > 1e-3,
+        "FP8 weights should move the output"
+    );
+    if vulkan_adapter().is_some() {
+        let (gpu_run, gpu_out) = encode_mx("gpu", "fp8_e4m3");
+        assert!(
+            gpu_run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&gpu_run.stderr)
+        );
+        let gpu_mx: Vec<f32> = npyz::NpyFile::new(&std::fs::read(&gpu_out).unwrap()[..])
+            .unwrap()
+            .into_vec()
+            .unwrap();
+        assert!(rel_diff(&gpu_mx, &cpu_mx) < 1e-4);
+    }
+    let (bad_format, _) = encode_mx("cpu", "fp3");
+    assert!(!bad_format.status.success());
+    assert!(String::from_utf8_lossy(&bad_format.stderr).contains("unknown MX format fp3"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// MX weights decoded inside the GPU GEMM (`linear_reg_mx`, mx-quant's WGSL decoding) against
+/// the CPU encoder given the same weights rounded through MX: every element format, FP6's codes
+/// straddling u32 words included. Both compute in f32 from identical weights, so they agree to
+/// f32 rounding; FP4 weights move the output well away from the unquantized tower's, so the
+/// kernel really reads MX.
+#[test]
+fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
+    let Some(adapter) = vulkan_adapter() else {
+        return;
+    };
+    let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let config = pipeline::vision::VisionConfig {
+        image_size: 64,
+        patch_size: 16,
+        hidden: 64,
+        intermediate: 128,
+        layers: 2,
+        heads: 2,
+        layer_norm_eps: 1e-6,
+        scale_factor: 2,
+        text_hidden: 40,
+    };
+    let cpu = VisionEncoder::random(config, 13).unwrap();
+    let pixels: Vec<f32> = (0..3 * 64 * 64)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
+        .collect();
+    let plain = cpu.encode(&pixels).unwrap();
+    use mx_quant::ElemFormat;
+    use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionOptions};
+    for format in [
+        ElemFormat::Int8,
+        ElemFormat::Fp8E4M3,
+        ElemFormat::Fp8E5M2,
+        ElemFormat::Fp6E3M2,
+        ElemFormat::Fp6E2M3,
+        ElemFormat::Fp4E2M1,
+    ] {
+        let want = cpu
+            .with_mx_weights(format)
+            .unwrap()
+            .encode(&pixels)
+            .unwrap();
+        let options = GpuVisionOptions {
+            gemm: GemmKernel::Register,
+            attention: AttentionKernel::PerQuery,
+            coop_block_rows: 0,
+            mx_weights: Some(format),
+        };
+        let gpu =
+            pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
+                .unwrap();
+        assert!(gpu.dispatch_kernels().contains(&"linear_reg_mx"));
+        let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+        let rel = rel_diff(&got, &want);
+        assert!(
+            rel < 1e-4,
+            "{format:?}: GPU differs from the CPU with the same MX weights by {rel}"
+        );
+        if format == ElemFormat::Fp4E2M1 {
+            let moved = rel_diff(&got, &plain);
+            assert!(moved > 1e-2, "FP4 weights moved the output by only {moved}");
+        }
+    }
 }
 
 /// A wider random tower (64-wide heads, a 768-wide MLP, several GEMM tiles per dimension) on the
@@ -405,21 +537,25 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             gemm: GemmKernel::Small,
             attention: AttentionKernel::PerQuery,
             coop_block_rows: 0,
+            mx_weights: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
             attention: AttentionKernel::Tiled,
             coop_block_rows: 0,
+            mx_weights: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::PerQuery,
             coop_block_rows: 0,
+            mx_weights: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::Tiled,
             coop_block_rows: 0,
+            mx_weights: None,
         },
     ] {
         let gpu =

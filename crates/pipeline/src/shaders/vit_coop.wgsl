@@ -45,7 +45,20 @@ struct GemmParams { m: u32, n: u32, k: u32, flags: u32 };
 // flags: 1 = add bias, 2 = tanh-GELU, 4 = add into y (f32 residual), 8 = write f16 pairs
 
 @group(0) @binding(0) var<storage, read> gx: array<vec4<f16>>;
+// <w-source>: f16 weights. With MX weights, vision_gpu.rs replaces this block with bindings
+// `mx_codes` (1) and `mx_scales` (5), WRaw = the words `mx_load4` fetches, and `w_decode` =
+// `mx_unpack4` (mx_quant::wgsl::DECODE_SOURCE; every GEMM's k is then a multiple of 32).
+// Fetching and decoding are apart so the loads stay in flight while the tile multiplies.
 @group(0) @binding(1) var<storage, read> gw: array<vec4<f16>>;
+alias WRaw = vec4<f16>;
+// What holds elements at .. at + 3 of w (row-major n x k; at a multiple of 4).
+fn w_load(at: u32) -> WRaw {
+    return gw[at / 4u];
+}
+fn w_decode(raw: WRaw) -> vec4<f16> {
+    return raw;
+}
+// </w-source>
 @group(0) @binding(2) var<storage, read> gb: array<f32>;
 @group(0) @binding(3) var<storage, read_write> gy: array<u32>;
 @group(0) @binding(4) var<uniform> gp: GemmParams;
@@ -59,19 +72,25 @@ fn gelu_tanh(x: f32) -> f32 {
     return 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)));
 }
 
-// Vector `e` of a rows x BK tile at (row0, t) of a matrix with `rows` rows of k: the last row
-// stands in for rows past the end, zeros for columns past k.
-fn fetch(src_is_w: bool, e: u32, row0: u32, rows: u32, t: u32) -> vec4<f16> {
-    let r = min(row0 + e / ROW_VECS, rows - 1u);
+// Vector `e` of the rows x BK tile of x at (row0, t): the last row stands in for rows past the
+// end, zeros for columns past k.
+fn fetch_x(e: u32, row0: u32, t: u32) -> vec4<f16> {
+    let r = min(row0 + e / ROW_VECS, gp.m - 1u);
     let c = t + (e % ROW_VECS) * 4u;
     if (c >= gp.k) {
         return vec4<f16>(0.0h);
     }
-    let at = (r * gp.k + c) / 4u;
-    if (src_is_w) {
-        return gw[at];
+    return gx[(r * gp.k + c) / 4u];
+}
+
+// The same for w (still raw: `w_decode` makes it values), zeros past k.
+fn fetch_w(e: u32, col0: u32, t: u32) -> WRaw {
+    let r = min(col0 + e / ROW_VECS, gp.n - 1u);
+    let c = t + (e % ROW_VECS) * 4u;
+    if (c >= gp.k) {
+        return WRaw();
     }
-    return gx[at];
+    return w_load(r * gp.k + c);
 }
 
 // The epilogue of one 16x16 accumulator tile at (r0, c0) of y, through the subgroup's
@@ -123,12 +142,12 @@ fn gemm_coop(
     var c10 = c00;
     var c11 = c00;
     var ra: array<vec4<f16>, A_PER_THREAD>;
-    var rb: array<vec4<f16>, B_PER_THREAD>;
+    var rb: array<WRaw, B_PER_THREAD>;
     for (var i = 0u; i < A_PER_THREAD; i++) {
-        ra[i] = fetch(false, tid + i * GEMM_THREADS, row0, gp.m, 0u);
+        ra[i] = fetch_x(tid + i * GEMM_THREADS, row0, 0u);
     }
     for (var i = 0u; i < B_PER_THREAD; i++) {
-        rb[i] = fetch(true, tid + i * GEMM_THREADS, col0, gp.n, 0u);
+        rb[i] = fetch_w(tid + i * GEMM_THREADS, col0, 0u);
     }
     for (var step = 0u; step < steps; step++) {
         let buf = step % 2u;
@@ -140,17 +159,17 @@ fn gemm_coop(
         }
         for (var i = 0u; i < B_PER_THREAD; i++) {
             let e = tid + i * GEMM_THREADS;
-            tb[buf * B_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = rb[i];
+            tb[buf * B_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = w_decode(rb[i]);
         }
         workgroupBarrier();
         if (step + 1u < steps) {
             // The next step's tiles, in flight while this step multiplies.
             let t = (step + 1u) * BK;
             for (var i = 0u; i < A_PER_THREAD; i++) {
-                ra[i] = fetch(false, tid + i * GEMM_THREADS, row0, gp.m, t);
+                ra[i] = fetch_x(tid + i * GEMM_THREADS, row0, t);
             }
             for (var i = 0u; i < B_PER_THREAD; i++) {
-                rb[i] = fetch(true, tid + i * GEMM_THREADS, col0, gp.n, t);
+                rb[i] = fetch_w(tid + i * GEMM_THREADS, col0, t);
             }
         }
         let abase = buf * A_TILE + sr * 32u * LDT;
