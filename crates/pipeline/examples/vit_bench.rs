@@ -3,7 +3,7 @@
 //! minimum milliseconds per image over the timed runs, TFLOP/s at the median, and the device.
 //!
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
-//! [small|blocked|register|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
+//! [small|blocked|register|register-f16|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
 //! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_ROWS=64|128` picks the tensor-core GEMM's block;
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX)
@@ -25,6 +25,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gemm = match args.get(4).map_or("small", String::as_str) {
         "blocked" => pipeline::vision_gpu::GemmKernel::Blocked,
         "register" => pipeline::vision_gpu::GemmKernel::Register,
+        "register-f16" => pipeline::vision_gpu::GemmKernel::RegisterF16,
         "coop" => pipeline::vision_gpu::GemmKernel::Coop,
         _ => pipeline::vision_gpu::GemmKernel::Small,
     };

@@ -441,12 +441,10 @@ impl VisionEncoder {
         &self,
         format: mx_quant::ElemFormat,
     ) -> Result<VisionEncoder, VisionError> {
-        let round = |m: &DenseMatrix| -> Result<DenseMatrix, VisionError> {
-            let (rows, cols) = m.shape();
+        self.map_weights(|data, cols| {
             if !cols.is_multiple_of(32) {
-                return Ok(m.clone());
+                return Ok(data.to_vec());
             }
-            let data = m.data();
             let mx_error = |e: mx_quant::Error| VisionError::Input(format!("MX weights: {e}"));
             let mut scales = vec![0u8; data.len() / 32];
             let mut packed = vec![0u8; mx_quant::layout::packed_len(format, data.len())];
@@ -454,10 +452,37 @@ impl VisionEncoder {
                 .map_err(mx_error)?;
             let mut back = vec![0f32; data.len()];
             mx_quant::bulk::dequantize(format, &scales, &packed, &mut back).map_err(mx_error)?;
-            Ok(DenseMatrix::new(rows, cols, back).expect("same shape"))
+            Ok(back)
+        })
+    }
+
+    /// This encoder with the GEMM weights the f16-weight GPU kernel reads (those with a
+    /// multiple of 4 columns) rounded to f16: its CPU reference.
+    pub fn with_f16_weights(&self) -> VisionEncoder {
+        let rounded = self.map_weights(|data, cols| {
+            Ok(if cols.is_multiple_of(4) {
+                data.iter()
+                    .map(|&v| half::f16::from_f32(v).to_f32())
+                    .collect()
+            } else {
+                data.to_vec()
+            })
+        });
+        rounded.expect("rounding to f16 cannot fail")
+    }
+
+    /// This encoder with every GEMM weight matrix replaced by `round(values, columns)`.
+    fn map_weights(
+        &self,
+        round: impl Fn(&[f32], usize) -> Result<Vec<f32>, VisionError>,
+    ) -> Result<VisionEncoder, VisionError> {
+        let matrix = |m: &DenseMatrix| -> Result<DenseMatrix, VisionError> {
+            let (rows, cols) = m.shape();
+            let data = round(m.data(), cols)?;
+            Ok(DenseMatrix::new(rows, cols, data).expect("same shape"))
         };
         let linear =
-            |(w, b): &(DenseMatrix, Vec<f32>)| Ok::<_, VisionError>((round(w)?, b.clone()));
+            |(w, b): &(DenseMatrix, Vec<f32>)| Ok::<_, VisionError>((matrix(w)?, b.clone()));
         let layers = self
             .layers
             .iter()
@@ -480,7 +505,7 @@ impl VisionEncoder {
             positions: self.positions.clone(),
             layers,
             post_ln: self.post_ln.clone(),
-            projection: round(&self.projection)?,
+            projection: matrix(&self.projection)?,
         })
     }
 

@@ -105,6 +105,8 @@ const ATTENTION_COOP: usize = 11;
 const LAYER_NORM_F16: usize = 12;
 // Present only with MX weights (vit_mx.wgsl).
 const LINEAR_REG_MX: usize = 13;
+// Present only with `GemmKernel::RegisterF16` (vit_f16.wgsl).
+const LINEAR_REG_F16: usize = 14;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
 const GEMM_BIAS: u32 = 1;
@@ -113,7 +115,7 @@ const GEMM_RESIDUAL: u32 = 4;
 const GEMM_F16_OUT: u32 = 8;
 
 /// Entry point of each pipeline index, for profiles.
-const KERNEL_NAMES: [&str; 14] = [
+const KERNEL_NAMES: [&str; 15] = [
     "linear",
     "layer_norm",
     "attention",
@@ -128,7 +130,11 @@ const KERNEL_NAMES: [&str; 14] = [
     "attention_coop",
     "layer_norm_f16",
     "linear_reg_mx",
+    "linear_reg_f16",
 ];
+
+/// The register GEMM with f16 weights (vit_f16.wgsl).
+const F16_SHADER: &str = include_str!("shaders/vit_f16.wgsl");
 
 /// The f32 GEMM over MX weights (vit_mx.wgsl; compiled after the format's constants and
 /// mx-quant's decoding functions).
@@ -177,6 +183,9 @@ pub enum GemmKernel {
     /// the buffers as vec4s: no workgroup memory, no barriers (k must be a multiple of 4, else
     /// `Small` runs). The fastest on lavapipe, where a barrier costs a context switch.
     Register,
+    /// `Register` with f16 weights (half the weight memory and traffic), f32 activations and
+    /// accumulation: for devices with `SHADER_F16` but no cooperative matrices.
+    RegisterF16,
     /// Cooperative matrices (tensor cores) for the whole tower: f16 weights and activations,
     /// f32 accumulation, 16x16x16 tiles; attention on tensor cores too. Needs a device opened
     /// with [`coop_features`] and a tower [`coop_fits`]; other towers run `Small`.
@@ -288,7 +297,8 @@ impl GemmKernel {
             GemmKernel::Small => (LINEAR_SMALL, 16),
             GemmKernel::Blocked => (LINEAR, 64),
             GemmKernel::Register if k.is_multiple_of(4) => (LINEAR_REG, 32),
-            GemmKernel::Register | GemmKernel::Coop => (LINEAR_SMALL, 16),
+            GemmKernel::RegisterF16 if k.is_multiple_of(4) => (LINEAR_REG_F16, 32),
+            GemmKernel::Register | GemmKernel::RegisterF16 | GemmKernel::Coop => (LINEAR_SMALL, 16),
         }
     }
 }
@@ -319,9 +329,10 @@ pub struct GpuVisionOptions {
     pub mx_weights: Option<mx_quant::ElemFormat>,
 }
 
-/// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, plus
-/// the cooperative-matrix features ([`coop_features`]) when it offers them; and the kernels
-/// measured fastest there ([`GpuVisionOptions::for_adapter`], `Coop` GEMMs with the features).
+/// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
+/// shaders and the cooperative-matrix features ([`coop_features`]) when it offers them; and
+/// the kernels measured fastest there ([`GpuVisionOptions::for_adapter`], with `Coop` GEMMs
+/// given the features, and `RegisterF16` for `Register` given f16 shaders).
 pub fn device_descriptor(
     adapter: &wgpu::Adapter,
 ) -> (wgpu::DeviceDescriptor<'static>, GpuVisionOptions) {
@@ -331,6 +342,13 @@ pub fn device_descriptor(
         required_limits: adapter.limits(),
         ..Default::default()
     };
+    // f16 shaders where offered: the f16-weight GEMM needs them, and on CPU-hosted drivers it
+    // beats the f32 register GEMM (lavapipe, synthetic tower: 133 against 147-167 ms, README).
+    let f16 = adapter.features() & wgpu::Features::SHADER_F16;
+    desc.required_features |= f16;
+    if !f16.is_empty() && options.gemm == GemmKernel::Register {
+        options.gemm = GemmKernel::RegisterF16;
+    }
     if let Some(features) = coop_features(adapter) {
         desc.required_features |= features;
         // SAFETY: the token only acknowledges that wgpu's experimental features may have bugs.
@@ -495,6 +513,18 @@ impl GpuVisionEncoder {
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
         compile(&f32_module, 0, TO_F16, true);
+        if options.gemm == GemmKernel::RegisterF16 {
+            if !device.features().contains(wgpu::Features::SHADER_F16) {
+                return Err(GpuVisionError::Unsupported(
+                    "the f16-weight GEMM needs a device opened with SHADER_F16",
+                ));
+            }
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some("vit f16"),
+                source: wgpu::ShaderSource::Wgsl(F16_SHADER.into()),
+            });
+            compile(&module, LINEAR_REG_F16, 1, true);
+        }
         if let Some(format) = mx {
             let source = format!(
                 "{}{}{MX_SHADER}",
@@ -573,37 +603,46 @@ impl GpuVisionEncoder {
             let built = pipelines[pipeline].as_ref().expect("the module was built");
             bind_buffers(device, built, buffers)
         };
-        // A GEMM weight (rows x cols, row-major) as this encoder reads it: MX when asked for
-        // and the rows are whole blocks, else f16 (tensor cores) or f32.
-        let weight =
-            |label: &str, data: &[f32], cols: usize| -> Result<GpuWeight, GpuVisionError> {
-                match mx {
-                    Some(format) if cols.is_multiple_of(32) => {
-                        let mx_error = |e: mx_quant::Error| {
-                            GpuVisionError::Invalid(format!("{label} as {format:?}: {e}"))
-                        };
-                        let mut scales = vec![0u8; data.len() / 32];
-                        let mut packed =
-                            vec![0u8; mx_quant::layout::packed_len(format, data.len())];
-                        let quant = mx_quant::QuantOptions::default();
-                        mx_quant::bulk::quantize(format, quant, data, &mut scales, &mut packed)
-                            .map_err(mx_error)?;
-                        let words = |what: &str, words: Vec<u32>| {
-                            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                                label: Some(&format!("{label} {what}")),
-                                contents: bytemuck::cast_slice(&words),
-                                usage: wgpu::BufferUsages::STORAGE,
-                            })
-                        };
-                        Ok(GpuWeight::Mx {
-                            codes: words("codes", mx_quant::wgsl::code_words(&packed)),
-                            scales: words("scales", mx_quant::wgsl::words(&scales)),
+        // A GEMM weight (rows x cols, row-major) as the kernel that reads it wants it: MX when
+        // asked for and the rows are whole blocks; else f16 for the tensor-core GEMM
+        // (`tensor_cores`) and for the f16-weight GEMM (as `pipeline_for` picks it), f32 for
+        // the other f32 GEMMs.
+        let weight = |label: &str,
+                      data: &[f32],
+                      cols: usize,
+                      tensor_cores: bool|
+         -> Result<GpuWeight, GpuVisionError> {
+            match mx {
+                Some(format) if cols.is_multiple_of(32) => {
+                    let mx_error = |e: mx_quant::Error| {
+                        GpuVisionError::Invalid(format!("{label} as {format:?}: {e}"))
+                    };
+                    let mut scales = vec![0u8; data.len() / 32];
+                    let mut packed = vec![0u8; mx_quant::layout::packed_len(format, data.len())];
+                    let quant = mx_quant::QuantOptions::default();
+                    mx_quant::bulk::quantize(format, quant, data, &mut scales, &mut packed)
+                        .map_err(mx_error)?;
+                    let words = |what: &str, words: Vec<u32>| {
+                        device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                            label: Some(&format!("{label} {what}")),
+                            contents: bytemuck::cast_slice(&words),
+                            usage: wgpu::BufferUsages::STORAGE,
                         })
-                    }
-                    _ if coop => Ok(GpuWeight::Plain(upload_f16(label, data))),
-                    _ => Ok(GpuWeight::Plain(upload(label, data))),
+                    };
+                    Ok(GpuWeight::Mx {
+                        codes: words("codes", mx_quant::wgsl::code_words(&packed)),
+                        scales: words("scales", mx_quant::wgsl::words(&scales)),
+                    })
                 }
-            };
+                _ if tensor_cores => Ok(GpuWeight::Plain(upload_f16(label, data))),
+                // The f16-weight GEMM takes the matrices it can (k a multiple of 4, as
+                // `pipeline_for` decides); the others stay f32 for `Small`.
+                _ if options.gemm == GemmKernel::RegisterF16 && cols.is_multiple_of(4) => {
+                    Ok(GpuWeight::Plain(upload_f16(label, data)))
+                }
+                _ => Ok(GpuWeight::Plain(upload(label, data))),
+            }
+        };
         let no_bias = upload("no bias", &[0.0]);
         let patches = scratch("patches", n * pp);
         let x = scratch("x", n * h);
@@ -688,7 +727,7 @@ impl GpuVisionEncoder {
                 bind: bind(TO_F16, &[&patches, x16, &len]),
                 groups: groups_1d((n * pp) as u32),
             });
-            let w = weight("patch w", cpu.patch.0.data(), pp)?;
+            let w = weight("patch w", cpu.patch.0.data(), pp, true)?;
             gemm(&mut body, x16, &w, Some(&b_patch), &x, (n, h, pp), 0);
             body.push(add_positions);
             // Per layer: LN -> QKV (f16) -> attention (f16) -> O (+x) -> LN -> fc1+GELU (f16)
@@ -710,7 +749,7 @@ impl GpuVisionEncoder {
             for (i, l) in cpu.layers.iter().enumerate() {
                 let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
                 let w = |name: &str, d: &[f32], cols: usize| {
-                    weight(&format!("layer {i} {name}"), d, cols)
+                    weight(&format!("layer {i} {name}"), d, cols, true)
                 };
                 let (ln1w, ln1b) = (up("ln1 w", &l.ln1.0), up("ln1 b", &l.ln1.1));
                 let (ln2w, ln2b) = (up("ln2 w", &l.ln2.0), up("ln2 b", &l.ln2.1));
@@ -776,7 +815,7 @@ impl GpuVisionEncoder {
                 );
             }
         } else {
-            let w_patch = weight("patch w", cpu.patch.0.data(), pp)?;
+            let w_patch = weight("patch w", cpu.patch.0.data(), pp, false)?;
             linear(
                 &mut body,
                 &patches,
@@ -812,7 +851,7 @@ impl GpuVisionEncoder {
                 let lin = |name: &str, (w, b): &(npu_hal::DenseMatrix, Vec<f32>)| {
                     let label = format!("layer {i} {name} w");
                     Ok::<_, GpuVisionError>((
-                        weight(&label, w.data(), w.shape().1)?,
+                        weight(&label, w.data(), w.shape().1, false)?,
                         up(&format!("{name} b"), b),
                     ))
                 };
@@ -859,17 +898,11 @@ impl GpuVisionEncoder {
         let projection_fits = c.text_hidden.is_multiple_of(8) && (h * f2).is_multiple_of(4);
         let projection = match gemm_in16.filter(|_| projection_fits) {
             Some(x16) => Projection::Coop {
-                w: weight("projection", cpu.projection.data(), h * f2)?,
+                w: weight("projection", cpu.projection.data(), h * f2, true)?,
                 x16,
                 len: uniform(&[(tokens * h * f2) as u32, 0, 0, 0]),
             },
-            None if mx.is_some() && (h * f2).is_multiple_of(32) => {
-                Projection::F32(weight("projection", cpu.projection.data(), h * f2)?)
-            }
-            None => Projection::F32(GpuWeight::Plain(upload(
-                "projection",
-                cpu.projection.data(),
-            ))),
+            None => Projection::F32(weight("projection", cpu.projection.data(), h * f2, false)?),
         };
         let projection_params = uniform(&[tokens as u32, c.text_hidden as u32, (h * f2) as u32, 0]);
         let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);

@@ -434,7 +434,11 @@ fn the_encode_command_writes_the_connector_output_as_npy() {
             .unwrap()
             .into_vec()
             .unwrap();
-        assert!(rel_diff(&gpu_mx, &cpu_mx) < 1e-4);
+        // The GEMMs that do not take MX (48 columns) keep f16 weights in the GPU's default
+        // kernel where the device has f16 shaders; the exact MX comparison is
+        // gpu_encoder_decodes_mx_weights_inside_its_gemm.
+        let rel = rel_diff(&gpu_mx, &cpu_mx);
+        assert!(rel < 5e-3, "GPU and CPU with FP8 weights differ by {rel}");
     }
     let (bad_format, _) = encode_mx("cpu", "fp3");
     assert!(!bad_format.status.success());
@@ -505,6 +509,54 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
             assert!(moved > 1e-2, "FP4 weights moved the output by only {moved}");
         }
     }
+}
+
+/// The f16-weight register GEMM (`GemmKernel::RegisterF16`) against the CPU encoder with the
+/// same weights rounded to f16, on a device opened with f16 shaders (lavapipe has them).
+#[test]
+fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
+    let Some(adapter) = vulkan_adapter() else {
+        return;
+    };
+    let (desc, _) = pipeline::vision_gpu::device_descriptor(&adapter);
+    assert!(
+        desc.required_features.contains(wgpu::Features::SHADER_F16),
+        "{} has no f16 shaders",
+        adapter.get_info().name
+    );
+    let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc).unwrap();
+    let config = pipeline::vision::VisionConfig {
+        image_size: 64,
+        patch_size: 16,
+        hidden: 64,
+        intermediate: 128,
+        layers: 2,
+        heads: 2,
+        layer_norm_eps: 1e-6,
+        scale_factor: 2,
+        text_hidden: 40,
+    };
+    let cpu = VisionEncoder::random(config, 17).unwrap();
+    let pixels: Vec<f32> = (0..3 * 64 * 64)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
+        .collect();
+    use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionOptions};
+    let options = GpuVisionOptions {
+        gemm: GemmKernel::RegisterF16,
+        attention: AttentionKernel::PerQuery,
+        coop_block_rows: 0,
+        mx_weights: None,
+    };
+    let gpu =
+        pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+    assert!(gpu.dispatch_kernels().contains(&"linear_reg_f16"));
+    let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+    let want = cpu.with_f16_weights().encode(&pixels).unwrap();
+    let rel = rel_diff(&got, &want);
+    assert!(
+        rel < 1e-4,
+        "GPU with f16 weights differs from the CPU with f16 weights by {rel}"
+    );
 }
 
 /// A wider random tower (64-wide heads, a 768-wide MLP, several GEMM tiles per dimension) on the
