@@ -332,7 +332,7 @@ pub struct GpuVisionOptions {
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
 /// shaders and the cooperative-matrix features ([`coop_features`]) when it offers them; and
 /// the kernels measured fastest there ([`GpuVisionOptions::for_adapter`], with `Coop` GEMMs
-/// given the features, and `RegisterF16` for `Register` given f16 shaders).
+/// given the features).
 pub fn device_descriptor(
     adapter: &wgpu::Adapter,
 ) -> (wgpu::DeviceDescriptor<'static>, GpuVisionOptions) {
@@ -342,13 +342,10 @@ pub fn device_descriptor(
         required_limits: adapter.limits(),
         ..Default::default()
     };
-    // f16 shaders where offered: the f16-weight GEMM needs them, and on CPU-hosted drivers it
-    // beats the f32 register GEMM (lavapipe, synthetic tower: 133 against 147-167 ms, README).
-    let f16 = adapter.features() & wgpu::Features::SHADER_F16;
-    desc.required_features |= f16;
-    if !f16.is_empty() && options.gemm == GemmKernel::Register {
-        options.gemm = GemmKernel::RegisterF16;
-    }
+    // f16 shaders where offered, so that callers can pick the f16-weight GEMM. It is not the
+    // default on CPU-hosted drivers: on lavapipe it measured no faster than the f32 register
+    // GEMM (synthetic tower, 4 alternating runs: 130-158 against 129-132 ms; README).
+    desc.required_features |= adapter.features() & wgpu::Features::SHADER_F16;
     if let Some(features) = coop_features(adapter) {
         desc.required_features |= features;
         // SAFETY: the token only acknowledges that wgpu's experimental features may have bugs.
