@@ -246,6 +246,19 @@ fn default_scale() -> usize {
     2
 }
 
+/// `data` (whole 32-element blocks) as MX `format` with mx-quant's default options: (scales,
+/// packed codes). The one quantizer of the vision weights, for the CPU reference
+/// ([`VisionEncoder::with_mx_weights`]) and the GPU kernels alike.
+pub(crate) fn quantize_mx(
+    format: mx_quant::ElemFormat,
+    data: &[f32],
+) -> Result<(Vec<u8>, Vec<u8>), mx_quant::Error> {
+    let mut scales = vec![0u8; data.len() / 32];
+    let mut packed = vec![0u8; mx_quant::layout::packed_len(format, data.len())];
+    mx_quant::bulk::quantize(format, Default::default(), data, &mut scales, &mut packed)?;
+    Ok((scales, packed))
+}
+
 impl VisionEncoder {
     /// Loads `dir/config.json` and `dir/*.safetensors` (SmolVLM naming).
     pub fn open(dir: &Path) -> Result<VisionEncoder, VisionError> {
@@ -446,10 +459,7 @@ impl VisionEncoder {
                 return Ok(data.to_vec());
             }
             let mx_error = |e: mx_quant::Error| VisionError::Input(format!("MX weights: {e}"));
-            let mut scales = vec![0u8; data.len() / 32];
-            let mut packed = vec![0u8; mx_quant::layout::packed_len(format, data.len())];
-            mx_quant::bulk::quantize(format, Default::default(), data, &mut scales, &mut packed)
-                .map_err(mx_error)?;
+            let (scales, packed) = quantize_mx(format, data).map_err(mx_error)?;
             let mut back = vec![0f32; data.len()];
             mx_quant::bulk::dequantize(format, &scales, &packed, &mut back).map_err(mx_error)?;
             Ok(back)

@@ -614,11 +614,8 @@ impl GpuVisionEncoder {
                     let mx_error = |e: mx_quant::Error| {
                         GpuVisionError::Invalid(format!("{label} as {format:?}: {e}"))
                     };
-                    let mut scales = vec![0u8; data.len() / 32];
-                    let mut packed = vec![0u8; mx_quant::layout::packed_len(format, data.len())];
-                    let quant = mx_quant::QuantOptions::default();
-                    mx_quant::bulk::quantize(format, quant, data, &mut scales, &mut packed)
-                        .map_err(mx_error)?;
+                    let (scales, packed) =
+                        crate::vision::quantize_mx(format, data).map_err(mx_error)?;
                     let words = |what: &str, words: Vec<u32>| {
                         device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                             label: Some(&format!("{label} {what}")),

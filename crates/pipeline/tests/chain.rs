@@ -572,3 +572,69 @@ fn bad_chain_descriptions_are_clear_errors() {
     ]);
     assert!(err.contains("/nonexistent.gguf"), "{err}");
 }
+
+/// The GPU encoder's completion is a value of a Vulkan timeline semaphore that the queue signals
+/// when the encode's submission has finished: `submit` returns at once with it, waiting on it
+/// makes the output complete (it matches the CPU encoder), and each submission signals the next
+/// value.
+#[test]
+fn the_gpu_encoder_completes_on_a_timeline_its_queue_signals() {
+    use pipeline::chain::{Completion, GpuContext, GpuEncoder};
+    use sync_timeline::Timeline;
+    let gpu = match GpuContext::open() {
+        Ok(gpu) => gpu,
+        Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
+            eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let cpu = tiny_tower();
+    let mut stage = GpuEncoder::new(gpu, &cpu).unwrap();
+    let allocator = uvm_alloc::Allocator::new(Default::default()).unwrap();
+    let s = cpu.config().image_size;
+    let pixels: Vec<f32> = (0..3 * s * s)
+        .map(|i| (i % 17) as f32 / 8.5 - 1.0)
+        .collect();
+    let input = allocator.allocate(pixels.len() * 4).unwrap();
+    input
+        .cpu_access(0..pixels.len() * 4, uvm_alloc::Access::Write)
+        .unwrap()
+        .typed_mut::<f32>()
+        .unwrap()
+        .copy_from_slice(&pixels);
+    let input = Arc::new(input);
+    let out_len = stage.image_tokens() * stage.text_hidden();
+    let out = Arc::new(allocator.allocate(out_len * 4).unwrap());
+    let mut values = Vec::new();
+    for _ in 0..2 {
+        let ready = stage.submit(&input, &out).unwrap();
+        let Completion::Gpu { timeline, value } = &ready else {
+            panic!("the GPU encoder should complete on a GPU timeline, got {ready:?}");
+        };
+        ready.wait(Duration::from_secs(60)).unwrap();
+        assert!(timeline.value().unwrap() >= *value);
+        values.push(*value);
+        let got = out
+            .cpu_access(0..out_len * 4, uvm_alloc::Access::Read)
+            .unwrap()
+            .typed::<f32>()
+            .unwrap()
+            .to_vec();
+        let want = cpu.encode(&pixels).unwrap();
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            err < 1e-3,
+            "GPU encoder output differs from the CPU's by {err}"
+        );
+    }
+    assert_eq!(
+        values[1],
+        values[0] + 1,
+        "each submission signals the next value"
+    );
+}

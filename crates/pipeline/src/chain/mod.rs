@@ -14,6 +14,11 @@
 //! touches it), so the per-frame copy count is what the copy ledger says: zero on the GPU path
 //! over unified memory.
 //!
+//! Completion: the encoder publishes its output as soon as its work is submitted, with a
+//! [`Completion`]: on a GPU, a value of a Vulkan timeline semaphore that the queue signals when
+//! the submission finishes. The decoder waits on that value before reading the embeddings; the
+//! encoder waits on it too before handing its input back to the ISP.
+//!
 //! Backpressure: a live source (a camera, or a pattern paced in real time) never waits. When
 //! the first ring is full the newest frame waits beside it, replacing (dropping) an older one,
 //! and every consumer takes the newest item it finds, dropping older ones: latest frame wins,
@@ -42,8 +47,8 @@ use uvm_alloc::{Access, Allocator, CopyLedger, UnifiedBuffer};
 
 use ring::{Consumer, Ended, Producer};
 pub use stages::{
-    CpuEncoder, CpuIsp, DecoderStage, EncoderStage, Generation, GpuContext, GpuEncoder, GpuIsp,
-    IspStage, NpuDecoder, PromptLayout, StageError,
+    Completion, CpuEncoder, CpuIsp, DecoderStage, EncoderStage, Generation, GpuContext, GpuEncoder,
+    GpuIsp, IspStage, NpuDecoder, PromptLayout, StageError,
 };
 use trace::TraceLog;
 
@@ -164,6 +169,17 @@ struct Item {
     captured: Instant,
 }
 
+/// An item of the embeddings ring: published as soon as the encoder has submitted its work,
+/// with the timeline value that says when the embeddings are complete.
+#[derive(Clone, Debug)]
+struct Encoded {
+    item: Item,
+    ready: Completion,
+}
+
+/// How long a stage waits for the GPU before calling it lost.
+const GPU_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Runs `chain` until its source ends, `options.max_frames` frames have come in, `stop` is
 /// raised, or a stage fails; `on_event` sees the replies as they stream. The run's figures come
 /// back even when a stage failed.
@@ -210,7 +226,7 @@ pub fn run(
     let (mut pixels_tx, mut pixels_rx) =
         ring::ring::<Item>("pixels", depth, pixel_buffers, Arc::clone(&stop));
     let (mut embed_tx, mut embed_rx) =
-        ring::ring::<Item>("embeddings", depth, embed_buffers, Arc::clone(&stop));
+        ring::ring::<Encoded>("embeddings", depth, embed_buffers, Arc::clone(&stop));
     let stage_names = [
         isp.name().to_string(),
         encoder.name().to_string(),
@@ -277,7 +293,7 @@ pub fn run(
                 live,
                 &mut done,
                 &mut log,
-                |pixels, out| encoder.encode(pixels, out),
+                |pixels, out| encoder.submit(pixels, out),
             );
             embed_tx.close();
             pixels_rx.abandon();
@@ -293,11 +309,13 @@ pub fn run(
                 Ok(None) => break,
                 Err(Ended::Stopped | Ended::Closed) => break,
             };
-            let (item, buffer) = received;
+            let (Encoded { item, ready }, buffer) = received;
             let buffer = buffer.expect("the embeddings ring has buffers");
             let start = Instant::now();
             on_event(Event::FrameStart { frame: item.frame });
             let result = (|| -> Result<Generation, StageError> {
+                // The encoder's completion value (on a GPU, signalled by its queue).
+                ready.wait(GPU_TIMEOUT)?;
                 let guard = buffer.cpu_access(0..embed_len * 4, Access::Read)?;
                 let image = guard.typed::<f32>()?;
                 decoder.describe(image, &mut |text| {
@@ -541,14 +559,17 @@ where
     }
 }
 
-/// The encoder worker's loop: tensors in, embeddings out, both in ring buffers.
+/// The encoder worker's loop: tensors in, embeddings out, both in ring buffers. The output is
+/// published as soon as the work is submitted, with its completion value, so the decoder waits
+/// on that value itself (on a GPU, a timeline the queue signals); the input goes back to the
+/// ISP only once the work is complete.
 fn pump_buffers(
     rx: &mut Consumer<Item>,
-    tx: &mut Producer<Item>,
+    tx: &mut Producer<Encoded>,
     live: bool,
     counts: &mut StageCounts,
     log: &mut TraceLog,
-    mut work: impl FnMut(&Arc<UnifiedBuffer>, &Arc<UnifiedBuffer>) -> Result<(), StageError>,
+    mut submit: impl FnMut(&Arc<UnifiedBuffer>, &Arc<UnifiedBuffer>) -> Result<Completion, StageError>,
 ) -> Result<(), StageError> {
     loop {
         let Ok(Some((item, input))) = receive_newest(rx, live, &mut counts.dropped) else {
@@ -559,15 +580,26 @@ fn pump_buffers(
             return Ok(());
         };
         let start = Instant::now();
-        let result = work(&input, &out);
+        let ready = match submit(&input, &out) {
+            Ok(ready) => ready,
+            Err(e) => {
+                rx.release();
+                return Err(e);
+            }
+        };
+        let value = tx.publish(Encoded {
+            item,
+            ready: ready.clone(),
+        });
+        log.signal(tx.name(), value, Some(item.frame));
+        // The device may still be reading the input.
+        let finished = ready.wait(GPU_TIMEOUT);
         rx.release();
-        result?;
+        finished?;
         let elapsed = start.elapsed();
         log.span("encode", Some(item.frame), start, elapsed);
         counts.done += 1;
         counts.latency_ms.push(ms(elapsed));
-        let value = tx.publish(item);
-        log.signal(tx.name(), value, Some(item.frame));
     }
 }
 

@@ -61,6 +61,43 @@ pub trait EncoderStage: Send {
         pixels: &Arc<UnifiedBuffer>,
         out: &Arc<UnifiedBuffer>,
     ) -> Result<(), StageError>;
+    /// Starts encoding `pixels` into `out` and says when `out` will be complete and visible to
+    /// the CPU; `pixels` must stay as they are until then. The chain calls this. The default
+    /// runs [`EncoderStage::encode`] and is complete on return; the GPU encoder returns a
+    /// value of a timeline that its queue signals when the work is done.
+    fn submit(
+        &mut self,
+        pixels: &Arc<UnifiedBuffer>,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<Completion, StageError> {
+        self.encode(pixels, out).map(|()| Completion::Done)
+    }
+}
+
+/// When an encoder's output is complete: the sync-timeline value its consumer waits on.
+#[derive(Clone, Debug)]
+pub enum Completion {
+    /// Complete already (the work ran on the calling thread).
+    Done,
+    /// Complete once `timeline` reaches `value`: a Vulkan timeline semaphore that the GPU queue
+    /// itself signals when the submission that wrote the output has finished.
+    Gpu {
+        timeline: Arc<sync_timeline::vulkan::VulkanTimeline>,
+        value: u64,
+    },
+}
+
+impl Completion {
+    /// Returns once the output is complete, or an error after `timeout`.
+    pub fn wait(&self, timeout: Duration) -> Result<(), StageError> {
+        use sync_timeline::Timeline;
+        match self {
+            Completion::Done => Ok(()),
+            Completion::Gpu { timeline, value } => timeline
+                .wait(*value, timeout)
+                .map_err(|e| format!("waiting for the GPU encoder's value {value}: {e}").into()),
+        }
+    }
 }
 
 /// What one generation produced and how fast.
@@ -96,6 +133,12 @@ pub struct GpuContext {
     pub adapter: String,
     /// The encoder kernels measured fastest on this adapter.
     pub vision_options: crate::vision_gpu::GpuVisionOptions,
+    /// Signalled by the queue at the end of each [`GpuContext::submit_signalled`] batch.
+    completion: Arc<sync_timeline::vulkan::VulkanTimeline>,
+    /// The last value a submission will signal on `completion`. Held across staging the
+    /// signal and submitting, by every submitter of this queue: a signal staged on wgpu's
+    /// queue goes with the next submission, whoever makes it.
+    submissions: Arc<std::sync::Mutex<u64>>,
 }
 
 impl GpuContext {
@@ -115,26 +158,67 @@ impl GpuContext {
         let info = adapter.get_info();
         let (desc, vision_options) = crate::vision_gpu::device_descriptor(&adapter);
         let (device, queue, caps) = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc)?;
+        let completion = sync_timeline::vulkan::VulkanTimeline::from_wgpu(&device, 0)
+            .map_err(|e| format!("creating the encoder's completion timeline: {e}"))?;
         Ok(GpuContext {
             device,
             queue,
             caps,
             vision_options,
             adapter: info.name,
+            completion: Arc::new(completion),
+            submissions: Arc::new(std::sync::Mutex::new(0)),
         })
     }
 
     /// Submits `commands` plus the barrier that makes shader writes visible to the host, and
     /// waits for that submission to complete.
     fn submit_and_wait(&self, commands: wgpu::CommandBuffer) -> Result<(), StageError> {
-        let index = self
-            .queue
-            .submit([commands, host_read_barrier(&self.device)?]);
+        let barrier = host_read_barrier(&self.device)?;
+        let index = {
+            let _staged = self
+                .submissions
+                .lock()
+                .map_err(|_| "a GPU submitter panicked")?;
+            self.queue.submit([commands, barrier])
+        };
         self.device.poll(wgpu::PollType::Wait {
             submission_index: Some(index),
             timeout: Some(Duration::from_secs(60)),
         })?;
         Ok(())
+    }
+
+    /// Submits `commands` plus the host-visibility barrier with a signal of the next value of
+    /// the completion timeline on the GPU queue, and returns at once: the value is reached when
+    /// the queue has finished the submission.
+    fn submit_signalled(&self, commands: wgpu::CommandBuffer) -> Result<Completion, StageError> {
+        let barrier = host_read_barrier(&self.device)?;
+        let value = {
+            let mut last = self
+                .submissions
+                .lock()
+                .map_err(|_| "a GPU submitter panicked")?;
+            let value = *last + 1;
+            // SAFETY: the hal queue is only used to stage a semaphore signal for wgpu's next
+            // submission (nothing is destroyed, nothing is submitted behind wgpu's back); the
+            // semaphore lives in `self.completion`, which outlives the submission because every
+            // Completion holds it. Every submitter of this queue holds `submissions` from
+            // staging to submitting, so the signal goes with this submission.
+            let hal = unsafe { self.queue.as_hal::<wgpu::hal::api::Vulkan>() }
+                .ok_or("the GPU stages run on wgpu's Vulkan backend only")?;
+            hal.add_signal_semaphore(self.completion.semaphore(), Some(value));
+            drop(hal);
+            self.queue.submit([commands, barrier]);
+            *last = value;
+            value
+        };
+        // Non-blocking: lets wgpu retire finished submissions.
+        self.device.poll(wgpu::PollType::Poll)?;
+        Ok(Completion::Gpu {
+            timeline: Arc::clone(&self.completion),
+            value,
+        })
     }
 }
 
@@ -412,12 +496,20 @@ impl EncoderStage for GpuEncoder {
         pixels: &Arc<UnifiedBuffer>,
         out: &Arc<UnifiedBuffer>,
     ) -> Result<(), StageError> {
+        self.submit(pixels, out)?.wait(Duration::from_secs(60))
+    }
+
+    fn submit(
+        &mut self,
+        pixels: &Arc<UnifiedBuffer>,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<Completion, StageError> {
         let input = self.inputs.get(&self.gpu, pixels)?.clone();
         let output = self.outputs.get(&self.gpu, out)?.clone();
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
         self.encoder
             .record(&self.gpu.device, &mut encoder, &input, &output);
-        self.gpu.submit_and_wait(encoder.finish())
+        self.gpu.submit_signalled(encoder.finish())
     }
 }
 
