@@ -128,6 +128,9 @@ pub trait DecoderStage: Send {
 #[derive(Clone, Debug)]
 pub struct GpuContext {
     pub device: wgpu::Device,
+    /// The device's queue. While a chain runs, its stages submit through `GpuContext` (which
+    /// keeps the encoder's staged completion signal with the encoder's own submission); a
+    /// direct `submit` from another thread at that time could carry that signal instead.
     pub queue: wgpu::Queue,
     pub caps: ImportCaps,
     pub adapter: String,
