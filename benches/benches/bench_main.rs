@@ -826,6 +826,106 @@ mod grammar {
     }
 }
 
+mod vision {
+    //! The vision encoder, one image per iteration, at the `tiny` shape (128x128, 4 layers,
+    //! hidden 192): the CPU encoder (the peer every GPU figure is quoted against, measured in
+    //! the same run) and the WGSL encoder on the first Vulkan adapter with each weight format:
+    //! f32, f16 (where the adapter has f16 shaders) and MX (decoded inside the GEMM). On a GPU
+    //! with cooperative matrices the tensor-core kernels run; elsewhere the register GEMM.
+    use criterion::{BenchmarkId, Criterion, Throughput};
+    use pipeline::vision::{VisionConfig, VisionEncoder};
+    use pipeline::vision_gpu::{GemmKernel, GpuVisionEncoder, GpuVisionOptions};
+    use std::hint::black_box;
+    use wgpu::util::DeviceExt;
+
+    fn tower() -> VisionEncoder {
+        let config = VisionConfig {
+            image_size: 128,
+            patch_size: 16,
+            hidden: 192,
+            intermediate: 768,
+            layers: 4,
+            heads: 3,
+            layer_norm_eps: 1e-6,
+            scale_factor: 2,
+            text_hidden: 576,
+        };
+        VisionEncoder::random(config, 7).expect("a valid shape")
+    }
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let cpu = tower();
+        let s = cpu.config().image_size;
+        let pixels: Vec<f32> = (0..3 * s * s)
+            .map(|i| (i % 255) as f32 / 127.5 - 1.0)
+            .collect();
+        let mut group = c.benchmark_group("vision_encoder");
+        group.sample_size(10);
+        group.throughput(Throughput::Elements(1));
+        group.bench_function("cpu", |b| {
+            b.iter(|| cpu.encode(black_box(&pixels)).unwrap())
+        });
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::VULKAN,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        let Ok(adapter) = pollster::block_on(instance.request_adapter(&Default::default())) else {
+            eprintln!("vision_encoder: no Vulkan adapter, GPU cases skipped");
+            group.finish();
+            return;
+        };
+        let (desc, defaults) = pipeline::vision_gpu::device_descriptor(&adapter);
+        let (device, queue) =
+            pollster::block_on(adapter.request_device(&desc)).expect("the adapter's own device");
+        let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("pixels"),
+            contents: bytemuck::cast_slice(&pixels),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+        let mut cases = vec![("f32", defaults)];
+        if desc.required_features.contains(wgpu::Features::SHADER_F16)
+            && defaults.gemm != GemmKernel::Coop
+        {
+            let f16 = GpuVisionOptions {
+                gemm: GemmKernel::RegisterF16,
+                ..defaults
+            };
+            cases.push(("f16", f16));
+        }
+        for (name, format) in [
+            ("mxint8", mx_quant::ElemFormat::Int8),
+            ("mxfp4", mx_quant::ElemFormat::Fp4E2M1),
+        ] {
+            let mx = GpuVisionOptions {
+                mx_weights: Some(format),
+                ..defaults
+            };
+            cases.push((name, mx));
+        }
+        for (weights, options) in cases {
+            let gpu = GpuVisionEncoder::with_options(&device, &cpu, options).expect("the tower");
+            let output = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("embeddings"),
+                size: gpu.output_bytes(),
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            });
+            let id = BenchmarkId::new(format!("gpu/{:?}", gpu.options().gemm), weights);
+            group.bench_function(id, |b| {
+                b.iter(|| {
+                    let mut encoder = device.create_command_encoder(&Default::default());
+                    gpu.record(&device, &mut encoder, &input, &output);
+                    queue.submit([encoder.finish()]);
+                    device
+                        .poll(wgpu::PollType::wait_indefinitely())
+                        .expect("the device answers");
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
 criterion_group!(
     benches,
     bandwidth::bench,
@@ -835,6 +935,7 @@ criterion_group!(
     uvm::bench,
     kv::bench,
     isp::bench,
-    grammar::bench
+    grammar::bench,
+    vision::bench
 );
 criterion_main!(benches);
