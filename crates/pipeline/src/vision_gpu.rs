@@ -176,8 +176,8 @@ pub enum GemmKernel {
     #[default]
     Small,
     /// 64x64 tile per workgroup, a 4x4 register block per thread. Measured 2.7x slower than
-    /// `Small` on an H200 through Vulkan (its per-thread block spills); kept as the starting
-    /// point of the register-blocked kernel issue #8's performance work needs.
+    /// `Small` on an H200 through Vulkan (its per-thread block spills); kept for the README's
+    /// comparison of the f32 kernels.
     Blocked,
     /// 32x32 tile per workgroup of 8x8, a 4x4 register block per thread read straight from
     /// the buffers as vec4s: no workgroup memory, no barriers (k must be a multiple of 4, else
