@@ -97,15 +97,16 @@ const ADD: usize = 4;
 const SHUFFLE: usize = 5;
 const ATTENTION_TILED: usize = 6;
 const LINEAR_SMALL: usize = 7;
+// The register GEMM (gemm_reg.wgsl) with f32 weights.
 const LINEAR_REG: usize = 8;
 // Present only when the device runs the cooperative-matrix module (`GemmKernel::Coop`).
 const TO_F16: usize = 9;
 const GEMM_COOP: usize = 10;
 const ATTENTION_COOP: usize = 11;
 const LAYER_NORM_F16: usize = 12;
-// Present only with MX weights (vit_mx.wgsl).
+// The register GEMM with MX weights: present only with `mx_weights`.
 const LINEAR_REG_MX: usize = 13;
-// Present only with `GemmKernel::RegisterF16` (vit_f16.wgsl).
+// The register GEMM with f16 weights: present only with `GemmKernel::RegisterF16`.
 const LINEAR_REG_F16: usize = 14;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
@@ -133,12 +134,67 @@ const KERNEL_NAMES: [&str; 15] = [
     "linear_reg_f16",
 ];
 
-/// The register GEMM with f16 weights (vit_f16.wgsl).
-const F16_SHADER: &str = include_str!("shaders/vit_f16.wgsl");
+/// The register GEMM, one module per weight format ([`register_gemm_source`]).
+const REG_SHADER: &str = include_str!("shaders/gemm_reg.wgsl");
 
-/// The f32 GEMM over MX weights (vit_mx.wgsl; compiled after the format's constants and
-/// mx-quant's decoding functions).
-const MX_SHADER: &str = include_str!("shaders/vit_mx.wgsl");
+/// What a marked `// <w-source>` ... `// </w-source>` block of a GEMM shader is replaced with
+/// for MX weights: the codes at binding 1, the scales at 5 (mx-quant's `mx_codes`/`mx_scales`).
+const MX_BINDINGS: &str = "@group(0) @binding(1) var<storage, read> mx_codes: array<u32>;\n\
+                           @group(0) @binding(5) var<storage, read> mx_scales: array<u32>;\n";
+
+/// `source` with its `// <w-source>` block (the weight binding and how the kernel reads it)
+/// replaced by `block`.
+fn swap_weight_source(source: &str, block: &str) -> String {
+    let start = source
+        .find("// <w-source>")
+        .expect("a marked weight source");
+    let end = source
+        .find("// </w-source>")
+        .expect("a marked weight source");
+    format!("{}{block}{}", &source[..start], &source[end..])
+}
+
+/// mx-quant's WGSL decoding for `format`, to append to a module that reads MX weights.
+fn mx_decoding(format: mx_quant::ElemFormat) -> String {
+    format!(
+        "{}{}",
+        mx_quant::wgsl::decode_constants(format),
+        mx_quant::wgsl::DECODE_SOURCE
+    )
+}
+
+/// The register GEMM's module for one weight format, with its entry point: `linear_reg` (f32
+/// weights), `linear_reg_f16` or `linear_reg_mx`.
+fn register_gemm_source(weights: RegisterWeights) -> (String, &'static str) {
+    let entry = |name: &str| format!("fn {name}(");
+    match weights {
+        RegisterWeights::F32 => (REG_SHADER.to_string(), "linear_reg"),
+        RegisterWeights::F16 => {
+            let block = "@group(0) @binding(1) var<storage, read> rg_w4: array<vec4<f16>>;\n\
+                         fn w_vec4(at: u32) -> vec4<f32> {\n    \
+                         return vec4<f32>(rg_w4[at / 4u]);\n}\n";
+            let source = format!("enable f16;\n{}", swap_weight_source(REG_SHADER, block));
+            let name = "linear_reg_f16";
+            (source.replace(&entry("linear_reg"), &entry(name)), name)
+        }
+        RegisterWeights::Mx(format) => {
+            let block = format!(
+                "{MX_BINDINGS}fn w_vec4(at: u32) -> vec4<f32> {{\n    return mx_vec4(at);\n}}\n"
+            );
+            let source = swap_weight_source(REG_SHADER, &block) + &mx_decoding(format);
+            let name = "linear_reg_mx";
+            (source.replace(&entry("linear_reg"), &entry(name)), name)
+        }
+    }
+}
+
+/// The weight formats of the register GEMM.
+#[derive(Clone, Copy)]
+enum RegisterWeights {
+    F32,
+    F16,
+    Mx(mx_quant::ElemFormat),
+}
 
 /// A GEMM weight on the device: plain (f32 for the f32 kernels, f16 for the tensor-core ones)
 /// or MX codes and scales in mx-quant's linear layout, decoded inside the kernel.
@@ -233,22 +289,12 @@ fn coop_source(
         .replace(gemm, &format!("const BM: u32 = {block_rows}u;"))
         .replace(keys, &format!("const QSUB: u32 = {query_subgroups}u;"));
     if let Some(format) = mx {
-        let start = source
-            .find("// <w-source>")
-            .expect("marked in vit_coop.wgsl");
-        let end = source
-            .find("// </w-source>")
-            .expect("marked in vit_coop.wgsl");
-        source.replace_range(
-            start..end,
-            "@group(0) @binding(1) var<storage, read> mx_codes: array<u32>;\n\
-             @group(0) @binding(5) var<storage, read> mx_scales: array<u32>;\n\
-             alias WRaw = vec4<u32>;\n\
-             fn w_load(at: u32) -> WRaw {\n    return mx_load4(at);\n}\n\
-             fn w_decode(raw: WRaw) -> vec4<f16> {\n    return vec4<f16>(mx_unpack4(raw));\n}\n",
+        let block = format!(
+            "{MX_BINDINGS}alias WRaw = vec4<u32>;\n\
+             fn w_load(at: u32) -> WRaw {{\n    return mx_load4(at);\n}}\n\
+             fn w_decode(raw: WRaw) -> vec4<f16> {{\n    return vec4<f16>(mx_unpack4(raw));\n}}\n"
         );
-        source.push_str(&mx_quant::wgsl::decode_constants(format));
-        source.push_str(mx_quant::wgsl::DECODE_SOURCE);
+        source = swap_weight_source(&source, &block) + &mx_decoding(format);
     }
     source
 }
@@ -484,8 +530,9 @@ impl GpuVisionEncoder {
                 )));
             }
         }
-        // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points, then the
-        // tensor-core module's (coop only), then the MX GEMM's (MX weights only).
+        // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points, the
+        // register GEMM's modules (one per weight format in use), the tensor-core module's
+        // (coop only).
         let mut pipelines: Vec<Option<wgpu::ComputePipeline>> = vec![None; KERNEL_NAMES.len()];
         let mut compile =
             |module: &wgpu::ShaderModule, first: usize, count: usize, zero_workgroup: bool| {
@@ -509,30 +556,28 @@ impl GpuVisionEncoder {
             label: Some("vit"),
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
-        compile(&f32_module, 0, TO_F16, true);
-        if options.gemm == GemmKernel::RegisterF16 {
-            if !device.features().contains(wgpu::Features::SHADER_F16) {
-                return Err(GpuVisionError::Unsupported(
-                    "the f16-weight GEMM needs a device opened with SHADER_F16",
-                ));
-            }
-            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some("vit f16"),
-                source: wgpu::ShaderSource::Wgsl(F16_SHADER.into()),
-            });
-            compile(&module, LINEAR_REG_F16, 1, true);
+        compile(&f32_module, 0, LINEAR_REG, true);
+        if options.gemm == GemmKernel::RegisterF16
+            && !device.features().contains(wgpu::Features::SHADER_F16)
+        {
+            return Err(GpuVisionError::Unsupported(
+                "the f16-weight GEMM needs a device opened with SHADER_F16",
+            ));
         }
-        if let Some(format) = mx {
-            let source = format!(
-                "{}{}{MX_SHADER}",
-                mx_quant::wgsl::decode_constants(format),
-                mx_quant::wgsl::DECODE_SOURCE
-            );
+        let register_gemms = [
+            Some((RegisterWeights::F32, LINEAR_REG)),
+            (options.gemm == GemmKernel::RegisterF16)
+                .then_some((RegisterWeights::F16, LINEAR_REG_F16)),
+            mx.map(|format| (RegisterWeights::Mx(format), LINEAR_REG_MX)),
+        ];
+        for (weights, index) in register_gemms.into_iter().flatten() {
+            let (source, entry) = register_gemm_source(weights);
+            debug_assert_eq!(entry, KERNEL_NAMES[index]);
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some("vit mx"),
+                label: Some(entry),
                 source: wgpu::ShaderSource::Wgsl(source.into()),
             });
-            compile(&module, LINEAR_REG_MX, 1, true);
+            compile(&module, index, 1, true);
         }
         if coop {
             let source = coop_source(block_rows, query_subgroups, mx);

@@ -108,53 +108,8 @@ fn linear_small(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup
     }
 }
 
-// The barrier-free variant: each invocation keeps a 4x4 output block in registers and reads its
-// four x rows and four w rows straight from the buffers as vec4s (k must be a multiple of 4).
-// No workgroup memory and no barriers: what a CPU-hosted driver (lavapipe runs each workgroup as
-// SIMD loops, paying a context switch per barrier) and caches serve best.
-@group(0) @binding(0) var<storage, read> lin_x4: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> lin_w4: array<vec4<f32>>;
-
-@compute @workgroup_size(8, 8, 1)
-fn linear_reg(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let row0 = gid.y * 4u;
-    let col0 = gid.x * 4u;
-    if (row0 >= lp.m || col0 >= lp.n) { return; }
-    let k4 = lp.k / 4u;
-    // Rows past the edge read the last valid row (their results are not stored).
-    var xr: array<u32, 4>;
-    var wr: array<u32, 4>;
-    for (var i = 0u; i < 4u; i++) {
-        xr[i] = min(row0 + i, lp.m - 1u) * k4;
-        wr[i] = min(col0 + i, lp.n - 1u) * k4;
-    }
-    var acc: array<vec4<f32>, 4>;
-    for (var i = 0u; i < 4u; i++) { acc[i] = vec4<f32>(0.0); }
-    for (var t = 0u; t < k4; t++) {
-        let w0 = lin_w4[wr[0] + t];
-        let w1 = lin_w4[wr[1] + t];
-        let w2 = lin_w4[wr[2] + t];
-        let w3 = lin_w4[wr[3] + t];
-        for (var i = 0u; i < 4u; i++) {
-            let xv = lin_x4[xr[i] + t];
-            acc[i] += vec4<f32>(dot(xv, w0), dot(xv, w1), dot(xv, w2), dot(xv, w3));
-        }
-    }
-    for (var i = 0u; i < 4u; i++) {
-        let row = row0 + i;
-        if (row >= lp.m) { break; }
-        for (var j = 0u; j < 4u; j++) {
-            let col = col0 + j;
-            if (col >= lp.n) { break; }
-            var v = acc[i][j];
-            if ((lp.flags & 1u) != 0u) { v += lin_b[col]; }
-            if ((lp.flags & 2u) != 0u) { v = gelu_tanh(v); }
-            let o = row * lp.n + col;
-            if ((lp.flags & 4u) != 0u) { v += lin_y[o]; }
-            lin_y[o] = v;
-        }
-    }
-}
+// The barrier-free register GEMM (`linear_reg`) is its own module, shaders/gemm_reg.wgsl, so
+// that it can be compiled for f32, f16 and MX weights.
 
 struct NormParams { rows: u32, width: u32, eps: f32, pad: u32 };
 @group(0) @binding(0) var<storage, read> ln_x: array<f32>;
