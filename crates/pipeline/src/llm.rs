@@ -23,18 +23,11 @@ pub fn open_decoder(
     options: DecoderOptions,
     threads: usize,
 ) -> Result<(Decoder, Option<Tokenizer>), DecodeError> {
-    let crate::model::LoadedModel {
-        config,
-        tensors: source,
-        tokenizer,
-    } = crate::model::open_model(model)?;
-
     let device = CpuNpu::new(CpuConfig {
         threads,
         ..CpuConfig::default()
     })?;
-    let decoder = Decoder::new(config, &*source, Box::new(device), options)?;
-    Ok((decoder, tokenizer))
+    open_decoder_on(model, options, Box::new(device))
 }
 
 /// Opens a model file or directory on `device` (any npu-hal backend's device).
