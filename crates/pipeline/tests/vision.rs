@@ -49,6 +49,31 @@ fn vulkan_adapter() -> Option<wgpu::Adapter> {
 
 /// Encodes `pixels` with `gpu`: image and output are unified buffers imported as-is, and the
 /// connector's output is read where the GPU wrote it.
+/// A random tower of 2 layers (16-pixel patches, pixel shuffle by 2) with `hidden`, `intermediate`,
+/// `heads` and `text_hidden`, and a fixed test image for it.
+fn random_tower(
+    image_size: usize,
+    (hidden, intermediate, heads): (usize, usize, usize),
+    text_hidden: usize,
+    seed: u64,
+) -> (VisionEncoder, Vec<f32>) {
+    let config = pipeline::vision::VisionConfig {
+        image_size,
+        patch_size: 16,
+        hidden,
+        intermediate,
+        layers: 2,
+        heads,
+        layer_norm_eps: 1e-6,
+        scale_factor: 2,
+        text_hidden,
+    };
+    let pixels = (0..3 * image_size * image_size)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
+        .collect();
+    (VisionEncoder::random(config, seed).unwrap(), pixels)
+}
+
 fn encode_on_gpu(
     (device, queue, caps): &(wgpu::Device, wgpu::Queue, uvm_alloc::vulkan::ImportCaps),
     gpu: &pipeline::vision_gpu::GpuVisionEncoder,
@@ -179,22 +204,8 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
     assert_eq!(options.gemm, GemmKernel::Coop);
     let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc).unwrap();
     for image_size in [128, 256] {
-        let config = pipeline::vision::VisionConfig {
-            image_size,
-            patch_size: 16,
-            hidden: 128,
-            intermediate: 512,
-            layers: 2,
-            heads: 2,
-            layer_norm_eps: 1e-6,
-            scale_factor: 2,
-            text_hidden: 96,
-        };
-        pipeline::vision_gpu::coop_fits(&config).unwrap();
-        let cpu = VisionEncoder::random(config, 5).unwrap();
-        let pixels: Vec<f32> = (0..3 * image_size * image_size)
-            .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
-            .collect();
+        let (cpu, pixels) = random_tower(image_size, (128, 512, 2), 96, 5);
+        pipeline::vision_gpu::coop_fits(cpu.config()).unwrap();
         let want = cpu.encode(&pixels).unwrap();
         for coop_block_rows in [64, 128] {
             let options = pipeline::vision_gpu::GpuVisionOptions {
@@ -454,21 +465,7 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
         return;
     };
     let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
-    let config = pipeline::vision::VisionConfig {
-        image_size: 64,
-        patch_size: 16,
-        hidden: 64,
-        intermediate: 128,
-        layers: 2,
-        heads: 2,
-        layer_norm_eps: 1e-6,
-        scale_factor: 2,
-        text_hidden: 40,
-    };
-    let cpu = VisionEncoder::random(config, 13).unwrap();
-    let pixels: Vec<f32> = (0..3 * 64 * 64)
-        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
-        .collect();
+    let (cpu, pixels) = random_tower(64, (64, 128, 2), 40, 13);
     let plain = cpu.encode(&pixels).unwrap();
     use mx_quant::ElemFormat;
     use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionOptions};
@@ -522,21 +519,7 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
         adapter.get_info().name
     );
     let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc).unwrap();
-    let config = pipeline::vision::VisionConfig {
-        image_size: 64,
-        patch_size: 16,
-        hidden: 64,
-        intermediate: 128,
-        layers: 2,
-        heads: 2,
-        layer_norm_eps: 1e-6,
-        scale_factor: 2,
-        text_hidden: 40,
-    };
-    let cpu = VisionEncoder::random(config, 17).unwrap();
-    let pixels: Vec<f32> = (0..3 * 64 * 64)
-        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
-        .collect();
+    let (cpu, pixels) = random_tower(64, (64, 128, 2), 40, 17);
     use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionOptions};
     let options = GpuVisionOptions {
         gemm: GemmKernel::RegisterF16,
@@ -564,21 +547,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
         return;
     };
     let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
-    let config = pipeline::vision::VisionConfig {
-        image_size: 160,
-        patch_size: 16,
-        hidden: 192,
-        intermediate: 768,
-        layers: 2,
-        heads: 3,
-        layer_norm_eps: 1e-6,
-        scale_factor: 2,
-        text_hidden: 100,
-    };
-    let cpu = VisionEncoder::random(config, 11).unwrap();
-    let pixels: Vec<f32> = (0..3 * 160 * 160)
-        .map(|i| ((i * 7919) % 255) as f32 / 127.5 - 1.0)
-        .collect();
+    let (cpu, pixels) = random_tower(160, (192, 768, 3), 100, 11);
     let want = cpu.encode(&pixels).unwrap();
     use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionOptions};
     for options in [
