@@ -390,7 +390,8 @@ pub fn device_descriptor(
     };
     // f16 shaders where offered, so that callers can pick the f16-weight GEMM. It is not the
     // default on CPU-hosted drivers: on lavapipe it measured no faster than the f32 register
-    // GEMM (synthetic tower, 4 alternating runs: 130-158 against 129-132 ms; README).
+    // GEMM (`vit_bench -- synthetic gpu 5 register|register-f16 per-query`, 4 alternating
+    // runs: 132-176 against 129-132 ms per image).
     desc.required_features |= adapter.features() & wgpu::Features::SHADER_F16;
     if let Some(features) = coop_features(adapter) {
         desc.required_features |= features;
@@ -405,8 +406,9 @@ pub fn device_descriptor(
 
 impl GpuVisionOptions {
     /// The measured fastest kernels for an adapter: on a CPU-hosted driver (lavapipe), the
-    /// barrier-free register GEMM and per-query attention (235 ms against 900 ms for the
-    /// defaults on the synthetic tower, README); on a GPU, the defaults (measured on an H200).
+    /// barrier-free register GEMM and per-query attention (235 ms against 899 ms for the GPU
+    /// defaults on the synthetic tower in one sitting, `vit_bench -- synthetic gpu 5 KERNELS`;
+    /// CHANGELOG); on a GPU, the defaults (measured on an H200).
     pub fn for_adapter(info: &wgpu::AdapterInfo) -> GpuVisionOptions {
         if info.device_type == wgpu::DeviceType::Cpu {
             GpuVisionOptions {
@@ -516,7 +518,9 @@ impl GpuVisionEncoder {
         };
         options.coop_block_rows = if coop { block_rows as u32 } else { 0 };
         // Attention workgroups take 64 queries (4 subgroups of 16) sharing each staged K and V
-        // block: 2 subgroups measured 2x slower on an H200.
+        // block. With 2 subgroups attention took 4.5 against 3.3 ms per SigLIP-B/16-512 image
+        // on an H200 (`vit_bench -- b16-512 gpu 30 coop tiled profile`, before the softmax's
+        // bank-conflict fix).
         let query_subgroups = 4;
         let mx = options.mx_weights;
         if let Some(format) = mx
