@@ -207,6 +207,15 @@ enum GpuWeight {
 }
 
 impl GpuWeight {
+    /// The f32-activation GEMM that reads this weight with inner size `k`, and its output tile:
+    /// `linear_reg_mx` for MX weights, else the kernel `gemm` picks.
+    fn f32_pipeline(&self, gemm: GemmKernel, k: usize) -> (usize, u32) {
+        match self {
+            GpuWeight::Plain(_) => gemm.pipeline_for(k),
+            GpuWeight::Mx { .. } => (LINEAR_REG_MX, 32),
+        }
+    }
+
     /// The weight's buffers in binding order: the weight (or codes) at 1, scales at 5.
     fn bind<'a>(
         &'a self,
@@ -743,10 +752,7 @@ impl GpuVisionEncoder {
                       flags: u32| {
             let flags = flags | u32::from(b.is_some());
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
-            let (pipeline, tile) = match w {
-                GpuWeight::Plain(_) => options.gemm.pipeline_for(kk),
-                GpuWeight::Mx { .. } => (LINEAR_REG_MX, 32),
-            };
+            let (pipeline, tile) = w.f32_pipeline(options.gemm, kk);
             body.push(Dispatch {
                 pipeline,
                 bind: bind(pipeline, &w.bind(x, b.unwrap_or(&no_bias), y, &params)),
@@ -1008,14 +1014,10 @@ impl GpuVisionEncoder {
     /// The kernel each dispatch of [`GpuVisionEncoder::record`] runs, in order.
     pub fn dispatch_kernels(&self) -> Vec<&'static str> {
         let c = &self.config;
-        let (linear, _) = self
-            .options
-            .gemm
-            .pipeline_for(c.hidden * c.scale_factor * c.scale_factor);
-        let projection: &[usize] = match self.projection {
-            Projection::Coop { .. } => &[TO_F16, GEMM_COOP],
-            Projection::F32(GpuWeight::Plain(_)) => &[linear],
-            Projection::F32(GpuWeight::Mx { .. }) => &[LINEAR_REG_MX],
+        let k = c.hidden * c.scale_factor * c.scale_factor;
+        let projection = match &self.projection {
+            Projection::Coop { .. } => vec![TO_F16, GEMM_COOP],
+            Projection::F32(w) => vec![w.f32_pipeline(self.options.gemm, k).0],
         };
         std::iter::once(IM2COL)
             .chain(self.body.iter().map(|d| d.pipeline))
@@ -1046,7 +1048,6 @@ impl GpuVisionEncoder {
         };
         let im2col = bind(IM2COL, &[pixels, &self.patches, &self.im2col_params]);
         let f2 = c.scale_factor * c.scale_factor;
-        let (linear, tile) = self.options.gemm.pipeline_for(c.hidden * f2);
         // The connector's projection: on tensor cores (convert, then multiply) or in f32.
         let (tokens, width) = (c.image_tokens(), c.text_hidden);
         let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.projection {
@@ -1070,10 +1071,7 @@ impl GpuVisionEncoder {
                 ]
             }
             Projection::F32(w) => {
-                let (pipeline, tile) = match w {
-                    GpuWeight::Plain(_) => (linear, tile),
-                    GpuWeight::Mx { .. } => (LINEAR_REG_MX, 32),
-                };
+                let (pipeline, tile) = w.f32_pipeline(self.options.gemm, c.hidden * f2);
                 let buffers = w.bind(&self.shuffled, &self.no_bias, out, &self.projection_params);
                 vec![(
                     pipeline,
