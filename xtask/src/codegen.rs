@@ -57,8 +57,9 @@ const UAPI_BINDINGS: &[UapiBinding] = &[
     UapiBinding {
         out: "crates/sync-timeline/src/sys/uapi.rs",
         purpose: "sync_file fences and DRM syncobj timelines",
-        includes: &["linux/sync_file.h", "drm.h"],
+        includes: &["linux/sync_file.h", "linux/dma-buf.h", "drm.h"],
         types: &[
+            "dma_buf_export_sync_file",
             "sync_merge_data",
             "sync_fence_info",
             "sync_file_info",
@@ -66,11 +67,60 @@ const UAPI_BINDINGS: &[UapiBinding] = &[
         ],
         vars: &[
             "SYNC_IOC_.*",
+            "DMA_BUF_IOCTL_EXPORT_SYNC_FILE",
+            "DMA_BUF_SYNC_(READ|WRITE|RW)",
             "DRM_IOCTL_SYNCOBJ_.*",
             "DRM_SYNCOBJ_.*",
             "DRM_CAP_SYNCOBJ.*",
         ],
         no_default: &[],
+    },
+    UapiBinding {
+        out: "crates/sync-timeline/tests/support/vgem_uapi.rs",
+        purpose: "vgem's fence ioctls, which the fence-bridge test uses to make real kernel fences",
+        includes: &["fixtures/uapi/vgem_drm.h"],
+        types: &["drm_vgem_.*"],
+        vars: &["DRM_IOCTL_VGEM_.*", "VGEM_FENCE_.*"],
+        no_default: &[],
+    },
+    UapiBinding {
+        out: "crates/isp-v4l2/src/sys/uapi.rs",
+        purpose: "V4L2 capture: capabilities, formats, buffers (MMAP, EXPBUF, DMABUF) and streaming",
+        includes: &["linux/videodev2.h"],
+        types: &[
+            "v4l2_capability",
+            "v4l2_fmtdesc",
+            "v4l2_frmsizeenum",
+            "v4l2_format",
+            "v4l2_streamparm",
+            "v4l2_requestbuffers",
+            "v4l2_buffer",
+            "v4l2_exportbuffer",
+            "v4l2_buf_type",
+            "v4l2_memory",
+            "v4l2_field",
+            "v4l2_frmsizetypes",
+        ],
+        vars: &[
+            "VIDIOC_(QUERYCAP|ENUM_FMT|ENUM_FRAMESIZES|G_FMT|S_FMT|S_PARM|REQBUFS|QUERYBUF|EXPBUF|QBUF|DQBUF|STREAMON|STREAMOFF)",
+            "V4L2_CAP_(VIDEO_CAPTURE|STREAMING|DEVICE_CAPS)",
+            "V4L2_BUF_FLAG_(ERROR|MAPPED|QUEUED|DONE)",
+            "V4L2_PIX_FMT_(NV12|YUYV|YUV420|RGB24|MJPEG)",
+        ],
+        // Unions (and the structs holding them) would get an `unsafe` zeroing `Default`; the
+        // safe layer (`sys::ioctl`) builds them itself.
+        no_default: &[
+            "v4l2_format",
+            "v4l2_buffer",
+            "v4l2_streamparm",
+            "v4l2_frmsizeenum",
+            "v4l2_pix_format",
+            "v4l2_window",
+            "v4l2_clip",
+            "v4l2_plane",
+            "v4l2_pix_format_mplane",
+            ".*__bindgen_ty_.*",
+        ],
     },
     UapiBinding {
         out: "crates/npu-hal/src/sys/uapi.rs",
@@ -147,7 +197,7 @@ pub(crate) fn run(root: &Path, mode: Mode) -> Result<(), Error> {
     }
     let mut stale = Vec::new();
     for binding in UAPI_BINDINGS {
-        let text = generate_uapi(binding)?;
+        let text = generate_uapi(root, binding)?;
         if let Some(path) = ensure_file(root, binding.out, &text, mode)? {
             stale.push(path);
         }
@@ -191,25 +241,36 @@ fn ensure_file(
     }
 }
 
-fn header_path(include: &str) -> (PathBuf, &'static str) {
-    if include.starts_with("linux/") {
+/// Where an include lives and which package ships it; `fixtures/...` is a header committed to the
+/// workspace (one no Debian package ships), read from the workspace root.
+fn header_path(root: &Path, include: &str) -> (PathBuf, &'static str) {
+    if include.starts_with("fixtures/") {
+        (
+            root.join(include),
+            "the workspace's fixtures (git checkout)",
+        )
+    } else if include.starts_with("linux/") {
         (Path::new(KERNEL_INCLUDE).join(include), "linux-libc-dev")
     } else {
         (Path::new(DRM_INCLUDE).join(include), "libdrm-dev")
     }
 }
 
-fn generate_uapi(binding: &UapiBinding) -> Result<String, Error> {
+fn generate_uapi(root: &Path, binding: &UapiBinding) -> Result<String, Error> {
     let mut source = String::new();
     for include in binding.includes {
-        let (path, package) = header_path(include);
+        let (path, package) = header_path(root, include);
         if !path.exists() {
             return Err(Error::HeaderMissing {
                 header: path,
                 package,
             });
         }
-        source.push_str(&format!("#include <{include}>\n"));
+        if include.starts_with("fixtures/") {
+            source.push_str(&format!("#include \"{}\"\n", path.display()));
+        } else {
+            source.push_str(&format!("#include <{include}>\n"));
+        }
     }
     // clang_macro_fallback evaluates macros against real header files (not `header_contents`),
     // so the include list is written to a scratch header first.
@@ -246,7 +307,12 @@ fn generate_uapi(binding: &UapiBinding) -> Result<String, Error> {
     let headers: Vec<String> = binding
         .includes
         .iter()
-        .map(|i| header_path(i).0.display().to_string())
+        .map(|i| match i.strip_prefix("fixtures/") {
+            // Named relative to the workspace, so the generated file does not depend on where
+            // the checkout is.
+            Some(_) => (*i).to_owned(),
+            None => header_path(root, i).0.display().to_string(),
+        })
         .collect();
     let raw = format!(
         "//! Linux UAPI for {purpose}.\n\

@@ -1,16 +1,28 @@
-//! `cargo xtask device-test`: discover the hardware, then run every hardware test whose needs this
-//! machine meets, and report each as passed, failed or unsupported (with the reason), so a device
-//! lab sees exactly which real paths ran. An absent device is "unsupported", never a pass.
+//! `cargo xtask device-test [--vm]`: discover the hardware, then run every hardware test whose
+//! needs the machine meets, and report each as passed, failed or unsupported (with the reason), so
+//! a device lab sees exactly which real paths ran. An absent device is "unsupported", never a pass.
 //!
-//! The report goes to `target/device-report.json` (the discovery report plus the results) and
-//! `target/device-report.md` (a table). The command fails when any test that ran failed.
+//! The test binaries are built once on the host (`cargo test --no-run`) and each hardware test is
+//! run from its binary by exact name. With `--vm` they run inside a qemu guest that boots Debian's
+//! Linux 6.12 with vivid, udmabuf, DMA-BUF heaps, vgem and virtio-gpu ([`crate::vm`]): the guest
+//! mounts the host's root read-only, so the same binaries run there unchanged, and the guest half
+//! of this module (`--guest PLAN`, started by the guest's init) probes the guest's devices and
+//! runs the plan. Results from the VM come from real kernel drivers over virtual devices, not real
+//! silicon, and the report's `environment` says so.
+//!
+//! The report goes to `target/device-report.json` (environment, the discovery report and the
+//! results) and `target/device-report.md` (a table). The command fails when any test that ran
+//! failed, and with `--vm` also when the guest ended before it had run every test.
 //!
 //! Every `#[ignore = "hardware: ..."]` test in the workspace must be listed in [`TESTS`]; a test
 //! of this module scans the sources and fails on one that is not, so no hardware path is
 //! silently left out of device runs.
 
-use std::path::Path;
-use std::process::Command;
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -20,6 +32,8 @@ enum Need {
     DmaHeap,
     Udmabuf,
     DrmRenderNode,
+    /// A vgem render node (real kernel fences on a virtual GEM device).
+    Vgem,
     Camera,
     Accel,
     Vulkan,
@@ -28,7 +42,7 @@ enum Need {
 }
 
 /// Where a test lives: the package's library tests or an integration-test target.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Target {
     Lib,
     Test(&'static str),
@@ -40,17 +54,23 @@ struct HardwareTest {
     target: Target,
     /// The test's full name as the harness prints it.
     name: &'static str,
-    need: Need,
+    /// Every need must be met for the test to run.
+    needs: &'static [Need],
     /// Ignored unless a device is there (`--ignored`), or run everywhere a driver exists.
     ignored: bool,
 }
 
-const fn hw(package: &'static str, target: Target, name: &'static str, need: Need) -> HardwareTest {
+const fn hw(
+    package: &'static str,
+    target: Target,
+    name: &'static str,
+    needs: &'static [Need],
+) -> HardwareTest {
     HardwareTest {
         package,
         target,
         name,
-        need,
+        needs,
         ignored: true,
     }
 }
@@ -61,55 +81,67 @@ const TESTS: &[HardwareTest] = &[
         "uvm-alloc",
         Target::Test("alloc"),
         "dma_heap_buffers_sync_cpu_access",
-        Need::DmaHeap,
+        &[Need::DmaHeap],
     ),
     hw(
         "uvm-alloc",
         Target::Test("alloc"),
         "a_dma_buf_from_a_heap_imports_and_reads_back_what_was_written",
-        Need::DmaHeap,
+        &[Need::DmaHeap],
     ),
     hw(
         "uvm-alloc",
         Target::Test("alloc"),
         "udmabuf_buffers_sync_cpu_access",
-        Need::Udmabuf,
+        &[Need::Udmabuf],
     ),
     hw(
         "sync-timeline",
         Target::Test("drm"),
         "syncobj_timeline_signal_wait_query",
-        Need::DrmRenderNode,
+        &[Need::DrmRenderNode],
     ),
     hw(
         "sync-timeline",
         Target::Test("drm"),
         "sync_file_round_trip_of_a_point",
-        Need::DrmRenderNode,
+        &[Need::DrmRenderNode],
     ),
     hw(
         "sync-timeline",
         Target::Test("drm"),
         "transfer_between_timelines",
-        Need::DrmRenderNode,
+        &[Need::DrmRenderNode],
+    ),
+    hw(
+        "sync-timeline",
+        Target::Test("drm"),
+        "a_vgem_fence_bridges_into_a_syncobj_timeline_point",
+        &[Need::Vgem, Need::DrmRenderNode],
     ),
     hw(
         "isp-v4l2",
         Target::Lib,
         "v4l2::tests::a_camera_streams_frames_into_exported_dma_bufs",
-        Need::Camera,
+        &[Need::Camera],
+    ),
+    hw(
+        "isp-v4l2",
+        Target::Lib,
+        "v4l2::tests::a_camera_captures_into_imported_dma_heap_buffers",
+        &[Need::Camera, Need::DmaHeap],
     ),
     hw(
         "pipeline",
         Target::Test("chain"),
         "the_chain_describes_camera_frames",
-        Need::Camera,
+        &[Need::Camera],
     ),
     hw(
         "npu-hal",
         Target::Lib,
         "accel::tests::every_accel_node_identifies_its_driver",
-        Need::Accel,
+        &[Need::Accel],
     ),
     // Real GPU paths that also run in CI (lavapipe): listed so a device report names them.
     HardwareTest {
@@ -118,7 +150,7 @@ const TESTS: &[HardwareTest] = &[
             "uvm-alloc",
             Target::Test("zero_copy"),
             "shader_writes_the_pages_the_cpu_mapped",
-            Need::Vulkan,
+            &[Need::Vulkan],
         )
     },
     HardwareTest {
@@ -127,7 +159,7 @@ const TESTS: &[HardwareTest] = &[
             "pipeline",
             Target::Test("vision"),
             "gpu_encoder_matches_the_cpu_reference_on_a_wider_tower",
-            Need::Vulkan,
+            &[Need::Vulkan],
         )
     },
     HardwareTest {
@@ -136,14 +168,14 @@ const TESTS: &[HardwareTest] = &[
             "pipeline",
             Target::Test("chain"),
             "the_gpu_chain_decodes_every_sampled_frame_with_zero_copies",
-            Need::Vulkan,
+            &[Need::Vulkan],
         )
     },
     hw(
         "pipeline",
         Target::Test("vision"),
         "the_coop_matrix_encoder_matches_the_cpu_reference",
-        Need::VulkanCoopMatrix,
+        &[Need::VulkanCoopMatrix],
     ),
 ];
 
@@ -152,7 +184,7 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
     let class = match need {
         Need::DmaHeap => "dma_heaps",
         Need::Udmabuf => "udmabuf",
-        Need::DrmRenderNode => "drm_render_nodes",
+        Need::DrmRenderNode | Need::Vgem => "drm_render_nodes",
         Need::Camera => "v4l2_devices",
         Need::Accel => "accel_devices",
         Need::Vulkan | Need::VulkanCoopMatrix => "vulkan",
@@ -167,8 +199,8 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
                 .unwrap_or("not found")
         ));
     }
+    let items = entry.get("items").and_then(Value::as_array);
     if need == Need::VulkanCoopMatrix {
-        let items = entry.get("items").and_then(Value::as_array);
         let found = items.map_or(0, |items| {
             items
                 .iter()
@@ -186,7 +218,14 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
             Err("vulkan: no adapter offers cooperative matrices with f16 shaders".into())
         };
     }
-    match entry.get("items").and_then(Value::as_array) {
+    if need == Need::Vgem {
+        let vgem = items.and_then(|items| items.iter().find(|i| i["description"] == "vgem"));
+        return match vgem {
+            Some(node) => Ok(format!("vgem: {}", node["path"].as_str().unwrap_or("?"))),
+            None => Err("drm_render_nodes: no vgem node (modprobe vgem)".into()),
+        };
+    }
+    match items {
         Some(items) if items.is_empty() => Err(format!("{class}: none found")),
         Some(items) => Ok(format!("{class}: {} found", items.len())),
         // A single node (udmabuf) reports present without items.
@@ -194,85 +233,67 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
     }
 }
 
-/// Runs the discovery, the tests, and writes the reports.
-pub(crate) fn run(root: &Path) -> Result<(), Box<dyn std::error::Error>> {
-    let report = crate::devices::probe();
-    crate::devices::print_report(&report);
-    println!();
-    let mut results = Vec::new();
-    let mut failed = 0;
-    for t in TESTS {
-        let (status, detail) = match need_met(&report, t.need) {
-            Err(why) => ("unsupported", why),
-            Ok(found) => {
-                let mut cmd =
-                    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-                cmd.current_dir(root)
-                    .args(["test", "-p", t.package, "--all-features"]);
-                match t.target {
-                    Target::Lib => cmd.arg("--lib"),
-                    Target::Test(name) => cmd.args(["--test", name]),
-                };
-                cmd.args(["--", "--exact", t.name]);
-                if t.ignored {
-                    cmd.arg("--ignored");
-                }
-                let out = cmd.output()?;
-                let stdout = String::from_utf8_lossy(&out.stdout);
-                let ran = stdout.contains("test result: ok. 1 passed");
-                if out.status.success() && ran {
-                    ("passed", found)
-                } else {
-                    failed += 1;
-                    let tail: String = String::from_utf8_lossy(&out.stderr)
-                        .lines()
-                        .chain(stdout.lines())
-                        .filter(|l| {
-                            l.contains("panicked") || l.contains("error") || l.contains("FAILED")
-                        })
-                        .take(3)
-                        .collect::<Vec<_>>()
-                        .join(" | ");
-                    let why = if out.status.success() {
-                        "the test did not run (renamed or filtered out?)".to_string()
-                    } else {
-                        tail
-                    };
-                    ("failed", why)
-                }
-            }
-        };
-        println!("{status:12} {}::{} ({detail})", t.package, t.name);
-        results.push(json!({
-            "package": t.package,
-            "test": t.name,
-            "need": format!("{:?}", t.need),
-            "status": status,
-            "detail": detail,
-        }));
+/// Whether every need of `test` is met: the joined findings, or the first reason it is not.
+fn needs_met(report: &Value, test: &HardwareTest) -> Result<String, String> {
+    let found: Result<Vec<String>, String> =
+        test.needs.iter().map(|&n| need_met(report, n)).collect();
+    found.map(|f| f.join("; "))
+}
+
+/// `cargo xtask device-test`'s options.
+#[derive(Debug, Default)]
+pub(crate) struct Options {
+    /// Run the tests inside the qemu lab instead of on this machine.
+    pub(crate) vm: bool,
+    /// Internal: the guest half, run by the VM's init with the plan the host wrote.
+    pub(crate) guest: Option<PathBuf>,
+    /// How long one test may run before it is killed and reported failed.
+    pub(crate) test_timeout: Duration,
+}
+
+/// One planned test run: what to execute, from where, and what it needs.
+#[derive(Clone, Debug)]
+struct Planned {
+    test: HardwareTest,
+    executable: PathBuf,
+    /// The package's directory: cargo runs test binaries from there.
+    cwd: PathBuf,
+}
+
+impl Planned {
+    fn to_json(&self) -> Value {
+        json!({
+            "name": self.test.name,
+            "executable": self.executable,
+            "cwd": self.cwd,
+        })
     }
+}
+
+/// Runs `cargo xtask device-test` (host or VM) or, with `guest`, its guest half.
+pub(crate) fn run(root: &Path, options: &Options) -> Result<(), Box<dyn std::error::Error>> {
+    if let Some(plan) = &options.guest {
+        return guest(plan, options.test_timeout);
+    }
+    let plan = build_plan(root)?;
     let target = root.join("target");
     std::fs::create_dir_all(&target)?;
-    let full = json!({ "devices": report, "tests": results });
-    std::fs::write(
-        target.join("device-report.json"),
-        serde_json::to_string_pretty(&full)? + "\n",
-    )?;
-    let mut md = String::from(
-        "# Device test report\n\n| package | test | needs | result | detail |\n|---|---|---|---|---|\n",
-    );
-    for r in &results {
-        let f = |k: &str| r[k].as_str().unwrap_or("").replace('|', "/");
-        md += &format!(
-            "| {} | {} | {} | {} | {} |\n",
-            f("package"),
-            f("test"),
-            f("need"),
-            f("status"),
-            f("detail")
-        );
-    }
-    std::fs::write(target.join("device-report.md"), md)?;
+    let (environment, report, results) = if options.vm {
+        let lab = crate::vm::Lab::prepare(root)?;
+        let out = lab.run_plan(root, &plan_json(&plan, options.test_timeout))?;
+        let results = merge_guest_results(&plan, &out.results);
+        (out.environment, out.devices, results)
+    } else {
+        let report = crate::devices::probe();
+        crate::devices::print_report(&report);
+        println!();
+        let results = plan
+            .iter()
+            .map(|p| run_one(&report, p, options.test_timeout))
+            .collect();
+        (host_environment(), report, results)
+    };
+    write_report(&target, &environment, &report, &results)?;
     let count = |s: &str| results.iter().filter(|r| r["status"] == s).count();
     println!(
         "\n{} passed, {} failed, {} unsupported; report in target/device-report.json and .md",
@@ -280,9 +301,306 @@ pub(crate) fn run(root: &Path) -> Result<(), Box<dyn std::error::Error>> {
         count("failed"),
         count("unsupported")
     );
-    if failed > 0 {
-        return Err(format!("{failed} hardware test(s) failed").into());
+    if count("failed") > 0 {
+        return Err(format!("{} hardware test(s) failed", count("failed")).into());
     }
+    Ok(())
+}
+
+/// What this machine is, for the report.
+fn host_environment() -> Value {
+    json!({
+        "kind": "host",
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default(),
+    })
+}
+
+/// Builds every test binary (all features, the test profile) and pairs each listed test with its
+/// executable.
+fn build_plan(root: &Path) -> Result<Vec<Planned>, Box<dyn std::error::Error>> {
+    println!("building the test binaries (cargo test --workspace --all-features --no-run)");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut child = Command::new(cargo)
+        .current_dir(root)
+        .args([
+            "test",
+            "--workspace",
+            "--all-features",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("stdout was piped");
+    // (package, target) -> (executable, package directory)
+    let mut binaries: HashMap<(String, Target), (PathBuf, PathBuf)> = HashMap::new();
+    for line in std::io::BufReader::new(stdout).lines() {
+        let msg: Value = match serde_json::from_str(&line?) {
+            Ok(v) => v,
+            Err(_) => continue,
+        };
+        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
+            continue;
+        }
+        let (Some(exe), Some(manifest), Some(id)) = (
+            msg["executable"].as_str(),
+            msg["manifest_path"].as_str(),
+            msg["package_id"].as_str(),
+        ) else {
+            continue;
+        };
+        let dir = Path::new(manifest)
+            .parent()
+            .ok_or("a manifest path without a directory")?;
+        let package = package_name(id, dir);
+        let kinds = msg["target"]["kind"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let target_name = msg["target"]["name"].as_str().unwrap_or("");
+        for test in TESTS.iter().filter(|t| t.package == package) {
+            let matches = match test.target {
+                Target::Lib => kinds.iter().any(|k| k == "lib"),
+                Target::Test(name) => kinds.iter().any(|k| k == "test") && target_name == name,
+            };
+            if matches {
+                binaries.insert(
+                    (package.clone(), test.target),
+                    (PathBuf::from(exe), dir.to_owned()),
+                );
+            }
+        }
+    }
+    if !child.wait()?.success() {
+        return Err("building the test binaries failed (see cargo's output above)".into());
+    }
+    TESTS
+        .iter()
+        .map(|t| {
+            let (executable, cwd) = binaries
+                .get(&(t.package.to_owned(), t.target))
+                .cloned()
+                .ok_or_else(|| {
+                    format!(
+                        "no test binary for {} {:?}: renamed or removed?",
+                        t.package, t.target
+                    )
+                })?;
+            Ok(Planned {
+                test: *t,
+                executable,
+                cwd,
+            })
+        })
+        .collect()
+}
+
+/// A package's name from cargo's package id (`path+file:///dir#name@1.0` or, when the name is
+/// the directory's, `path+file:///dir#1.0`).
+fn package_name(id: &str, dir: &Path) -> String {
+    match id
+        .rsplit_once('#')
+        .and_then(|(_, tail)| tail.split_once('@'))
+    {
+        Some((name, _)) => name.to_owned(),
+        None => dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    }
+}
+
+fn plan_json(plan: &[Planned], test_timeout: Duration) -> Value {
+    json!({
+        "test_timeout_s": test_timeout.as_secs(),
+        "tests": plan.iter().map(Planned::to_json).collect::<Vec<_>>(),
+    })
+}
+
+/// Runs one planned test if its needs are met; the result as the report records it.
+fn run_one(report: &Value, planned: &Planned, timeout: Duration) -> Value {
+    let t = &planned.test;
+    let (status, detail, seconds) = match needs_met(report, t) {
+        Err(why) => ("unsupported", why, 0.0),
+        Ok(found) => {
+            let start = Instant::now();
+            let (status, detail) = match execute(planned, timeout) {
+                Ok(()) => ("passed", found),
+                Err(why) => ("failed", why),
+            };
+            (status, detail, start.elapsed().as_secs_f64())
+        }
+    };
+    println!("{status:12} {}::{} ({detail})", t.package, t.name);
+    json!({
+        "package": t.package,
+        "test": t.name,
+        "need": t.needs.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join("+"),
+        "status": status,
+        "detail": detail,
+        "seconds": (seconds * 10.0_f64).round() / 10.0,
+    })
+}
+
+/// Runs the test binary for exactly this test; `Err` says why it failed.
+fn execute(planned: &Planned, timeout: Duration) -> Result<(), String> {
+    let t = &planned.test;
+    let mut cmd = Command::new(&planned.executable);
+    cmd.current_dir(&planned.cwd)
+        .args(["--exact", t.name, "--test-threads=1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if t.ignored {
+        cmd.arg("--ignored");
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", planned.executable.display()))?;
+    // Drain both pipes on threads so a chatty test never blocks on a full pipe.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_string(&mut text);
+            }
+            text
+        })
+    };
+    let out = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let err = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) if start.elapsed() > timeout => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(format!("waiting for the test: {e}")),
+        }
+    };
+    let stdout = out.join().unwrap_or_default();
+    let stderr = err.join().unwrap_or_default();
+    let Some(status) = status else {
+        return Err(format!("timed out after {timeout:?} and was killed"));
+    };
+    if status.success() && stdout.contains("test result: ok. 1 passed") {
+        return Ok(());
+    }
+    if status.success() {
+        return Err("the test did not run (renamed or filtered out?)".into());
+    }
+    let tail: Vec<&str> = stderr
+        .lines()
+        .chain(stdout.lines())
+        .filter(|l| l.contains("panicked") || l.contains("error") || l.contains("FAILED"))
+        .take(4)
+        .collect();
+    Err(if tail.is_empty() {
+        format!("exited with {status}")
+    } else {
+        tail.join(" | ")
+    })
+}
+
+/// The guest half: probe the guest's devices, run the plan, and write each result as a line of
+/// `results.jsonl` beside the plan as soon as it is known, so a guest that dies mid-run still
+/// leaves the results it had.
+fn guest(plan_path: &Path, default_timeout: Duration) -> Result<(), Box<dyn std::error::Error>> {
+    let plan: Value = serde_json::from_str(&std::fs::read_to_string(plan_path)?)?;
+    let dir = plan_path.parent().ok_or("the plan has no directory")?;
+    let report = crate::devices::probe();
+    crate::devices::print_report(&report);
+    std::fs::write(
+        dir.join("devices.json"),
+        serde_json::to_string_pretty(&report)? + "\n",
+    )?;
+    let timeout = plan["test_timeout_s"]
+        .as_u64()
+        .map_or(default_timeout, Duration::from_secs);
+    let mut results = std::fs::File::create(dir.join("results.jsonl"))?;
+    for entry in plan["tests"].as_array().ok_or("the plan lists no tests")? {
+        let name = entry["name"].as_str().unwrap_or("");
+        let Some(test) = TESTS.iter().find(|t| t.name == name) else {
+            return Err(format!("the plan names {name}, which this build does not list").into());
+        };
+        let planned = Planned {
+            test: *test,
+            executable: PathBuf::from(entry["executable"].as_str().unwrap_or("")),
+            cwd: PathBuf::from(entry["cwd"].as_str().unwrap_or("/")),
+        };
+        let result = run_one(&report, &planned, timeout);
+        writeln!(results, "{result}")?;
+        results.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The VM's results in the plan's order; a test the guest never reported is a failure, since the
+/// guest ended (crashed, hung, ran out of time) before it could run it.
+fn merge_guest_results(plan: &[Planned], reported: &[Value]) -> Vec<Value> {
+    plan.iter()
+        .map(|p| {
+            reported
+                .iter()
+                .find(|r| r["test"] == p.test.name && r["package"] == p.test.package)
+                .cloned()
+                .unwrap_or_else(|| {
+                    json!({
+                        "package": p.test.package,
+                        "test": p.test.name,
+                        "need": p.test.needs.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join("+"),
+                        "status": "failed",
+                        "detail": "the VM ended before this test reported (see target/vm/console.log)",
+                        "seconds": 0.0,
+                    })
+                })
+        })
+        .collect()
+}
+
+fn write_report(
+    target: &Path,
+    environment: &Value,
+    devices: &Value,
+    results: &[Value],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let full = json!({ "environment": environment, "devices": devices, "tests": results });
+    std::fs::write(
+        target.join("device-report.json"),
+        serde_json::to_string_pretty(&full)? + "\n",
+    )?;
+    let mut md = String::from("# Device test report\n\n");
+    if let Some(env) = environment.as_object() {
+        for (k, v) in env {
+            let v = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            md += &format!("- {k}: {v}\n");
+        }
+        md += "\n";
+    }
+    md += "| package | test | needs | result | seconds | detail |\n|---|---|---|---|---|---|\n";
+    for r in results {
+        let f = |k: &str| r[k].as_str().unwrap_or("").replace('|', "/");
+        md += &format!(
+            "| {} | {} | {} | {} | {} | {} |\n",
+            f("package"),
+            f("test"),
+            f("need"),
+            f("status"),
+            r["seconds"],
+            f("detail")
+        );
+    }
+    std::fs::write(target.join("device-report.md"), md)?;
     Ok(())
 }
 
@@ -338,6 +656,8 @@ mod tests {
             "dma_heaps": {"present": false, "reason": "/dev/dma_heap does not exist"},
             "vulkan": {"items": [{"name": "llvmpipe"}]},
             "accel_devices": {"items": []},
+            "drm_render_nodes": {"present": true, "items": [
+                {"path": "/dev/dri/renderD128", "description": "virtio_gpu"}]},
         });
         assert!(
             need_met(&report, Need::DmaHeap)
@@ -346,5 +666,37 @@ mod tests {
         );
         assert!(need_met(&report, Need::Vulkan).is_ok());
         assert!(need_met(&report, Need::Accel).is_err());
+        assert!(need_met(&report, Need::DrmRenderNode).is_ok());
+        assert!(need_met(&report, Need::Vgem).unwrap_err().contains("vgem"));
+        let camera_and_heap = TESTS
+            .iter()
+            .find(|t| t.needs == [Need::Camera, Need::DmaHeap])
+            .unwrap();
+        assert!(needs_met(&report, camera_and_heap).is_err());
+    }
+
+    #[test]
+    fn package_names_come_from_cargo_package_ids() {
+        let dir = Path::new("/w/crates/uvm-alloc");
+        assert_eq!(
+            package_name("path+file:///w/crates/uvm-alloc#0.1.0", dir),
+            "uvm-alloc"
+        );
+        assert_eq!(
+            package_name("path+file:///w/crates/x#uvm-alloc@0.1.0", dir),
+            "uvm-alloc"
+        );
+    }
+
+    /// A test the guest never reported is a failure, never silently missing.
+    #[test]
+    fn unreported_guest_tests_fail() {
+        let plan = vec![Planned {
+            test: TESTS[0],
+            executable: PathBuf::from("/x"),
+            cwd: PathBuf::from("/"),
+        }];
+        let merged = merge_guest_results(&plan, &[]);
+        assert_eq!(merged[0]["status"], "failed");
     }
 }

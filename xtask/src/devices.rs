@@ -26,7 +26,7 @@ pub(crate) fn run(json_out: Option<&Path>) -> Result<(), std::io::Error> {
 pub(crate) fn probe() -> Value {
     json!({
         "vulkan": vulkan_adapters(),
-        "dma_heaps": dir_entries("/dev/dma_heap", |_| None),
+        "dma_heaps": dir_entries("/dev/dma_heap", |name| Some(format!("heap {name}"))),
         "udmabuf": node("/dev/udmabuf"),
         "drm_render_nodes": dir_entries("/dev/dri", |name| {
             name.starts_with("renderD").then(|| sysfs_driver(&format!("/sys/class/drm/{name}/device/driver")))
@@ -110,11 +110,17 @@ fn dir_entries(dir: &str, describe: impl Fn(&str) -> Option<String>) -> Value {
     json!({ "present": true, "items": items })
 }
 
-/// The kernel driver bound to a device, from its sysfs `driver` symlink.
+/// The kernel driver bound to a device, from its sysfs `driver` symlink; a device no driver
+/// binds (vgem's platform device) is named by its own sysfs name.
 fn sysfs_driver(link: &str) -> String {
-    std::fs::read_link(link)
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+    let name = |p: &Path| {
+        std::fs::read_link(p)
+            .ok()
+            .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
+    };
+    let link = Path::new(link);
+    name(link)
+        .or_else(|| link.parent().and_then(name))
         .unwrap_or_else(|| "driver unknown".into())
 }
 

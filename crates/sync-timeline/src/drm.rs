@@ -9,6 +9,11 @@
 //! A sync_file carries one binary fence, so a timeline point crosses through a temporary binary
 //! syncobj: export = transfer the point into it, then export it; import = import into it, then
 //! transfer it to the point.
+//!
+//! The bridge from implicit to explicit sync: a dma-buf written by a device that fences its
+//! buffers implicitly (a camera, a display, a GEM driver) gives its fences up as a sync_file
+//! ([`dma_buf_fences`], `DMA_BUF_IOCTL_EXPORT_SYNC_FILE`), which
+//! [`SyncobjTimeline::import_sync_file`] turns into a timeline point any waiter can use.
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -250,6 +255,59 @@ impl Timeline for SyncobjTimeline {
     fn backend(&self) -> Backend<'_> {
         Backend::Other
     }
+}
+
+/// Which of a dma-buf's implicit fences [`dma_buf_fences`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FenceAccess {
+    /// The fences a reader must wait for (the buffer's writers).
+    Read,
+    /// The fences a writer must wait for (every reader and writer).
+    Write,
+}
+
+/// `ioctl(dmabuf, DMA_BUF_IOCTL_EXPORT_SYNC_FILE, {flags, fd})`—The dma-buf's current implicit
+/// fences for `access`, merged into one sync_file (already signalled when there are none).
+///
+/// # Errors
+/// The kernel's errno: `ENOTTY` before Linux 6.0, `EINVAL` for a `dmabuf` that is not a dma-buf.
+///
+/// # References
+/// Linux `include/uapi/linux/dma-buf.h`, `drivers/dma-buf/dma-buf.c` (`dma_buf_export_sync_file`).
+pub fn dma_buf_fences(dmabuf: BorrowedFd<'_>, access: FenceAccess) -> Result<OwnedFd, Error> {
+    use crate::sys::uapi;
+    use std::os::fd::FromRawFd;
+    let mut args = uapi::dma_buf_export_sync_file {
+        flags: match access {
+            FenceAccess::Read => uapi::DMA_BUF_SYNC_READ,
+            FenceAccess::Write => uapi::DMA_BUF_SYNC_RW,
+        },
+        fd: -1,
+    };
+    const OPCODE: rustix::ioctl::Opcode =
+        uapi::DMA_BUF_IOCTL_EXPORT_SYNC_FILE as rustix::ioctl::Opcode;
+    // SAFETY: OPCODE is the generated DMA_BUF_IOCTL_EXPORT_SYNC_FILE (an _IOWR), whose argument
+    // is the `dma_buf_export_sync_file` the kernel reads and writes: the type `Updater` is
+    // built with.
+    #[allow(unsafe_code)]
+    let updater =
+        unsafe { rustix::ioctl::Updater::<OPCODE, uapi::dma_buf_export_sync_file>::new(&mut args) };
+    // SAFETY: `updater` pairs the opcode with its argument type (above); `dmabuf` is an open fd.
+    #[allow(unsafe_code)]
+    let result = unsafe { rustix::ioctl::ioctl(dmabuf, updater) };
+    result.map_err(|errno| Error::Os {
+        call: "DMA_BUF_IOCTL_EXPORT_SYNC_FILE",
+        errno,
+    })?;
+    if args.fd < 0 {
+        return Err(Error::Os {
+            call: "DMA_BUF_IOCTL_EXPORT_SYNC_FILE",
+            errno: rustix::io::Errno::BADF,
+        });
+    }
+    // SAFETY: on success the kernel returned a new sync_file fd that nothing else owns.
+    #[allow(unsafe_code)]
+    Ok(unsafe { OwnedFd::from_raw_fd(args.fd) })
 }
 
 /// `ioctl(fd, DRM_IOCTL_SYNCOBJ_FD_TO_HANDLE, {handle, IMPORT_SYNC_FILE, fence})`—Imports the

@@ -62,6 +62,15 @@ impl BackendKind {
         BackendKind::Memfd,
         BackendKind::Host,
     ];
+
+    /// Whether buffers of this kind are dma-bufs (a device imports them by fd); the others are
+    /// host memory (imported by address, `VK_EXT_external_memory_host`).
+    pub fn is_dma_buf(self) -> bool {
+        matches!(
+            self,
+            BackendKind::DmaHeap | BackendKind::Udmabuf | BackendKind::Gbm | BackendKind::Imported
+        )
+    }
 }
 
 impl std::fmt::Display for BackendKind {

@@ -45,6 +45,28 @@ pub struct ImportCaps {
     pub host_pointer_alignment: u64,
 }
 
+impl ImportCaps {
+    /// Whether this device can import a buffer of `kind` without a copy.
+    pub fn imports(&self, kind: crate::BackendKind) -> bool {
+        if kind.is_dma_buf() {
+            self.dma_buf
+        } else {
+            self.host_pointer
+        }
+    }
+
+    /// The allocatable backends this device imports, in the allocator's preference order: what
+    /// an [`crate::AllocatorDesc`] for buffers this device shares should list. A driver without
+    /// dma-buf import (lavapipe before Mesa 23.1) gets memfd and host memory, never a heap
+    /// buffer it would refuse.
+    pub fn importable_backends(&self) -> Vec<crate::BackendKind> {
+        crate::BackendKind::ALL
+            .into_iter()
+            .filter(|&k| self.imports(k))
+            .collect()
+    }
+}
+
 const EXT_HOST: &CStr = ash::ext::external_memory_host::NAME;
 const KHR_FD: &CStr = ash::khr::external_memory_fd::NAME;
 const EXT_DMA_BUF: &CStr = ash::ext::external_memory_dma_buf::NAME;

@@ -92,7 +92,13 @@ fn shader_writes_the_pages_the_cpu_mapped() {
         adapter.get_info().name
     );
 
-    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
+    // The best backend this device imports in place: a DMA-BUF heap where the driver imports
+    // dma-bufs, host memory (imported by address) where it does not.
+    let allocator = Allocator::new(AllocatorDesc {
+        backends: caps.importable_backends(),
+        ..AllocatorDesc::default()
+    })
+    .unwrap();
     let n = 16 * 1024usize;
     let buffer = allocator.allocate(n * 4).unwrap();
     let _ = writeln!(std::io::stderr(), "allocated from {:?}", buffer.backend());

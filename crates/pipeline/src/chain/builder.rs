@@ -137,6 +137,10 @@ pub struct ChainSpec {
     pub max_frames: Option<u64>,
     pub max_tokens: Option<usize>,
     pub depth: Option<usize>,
+    /// Capture buffers for a camera source (2 to 32). By default, enough that a live chain
+    /// drops frames rather than starving the driver: every ring slot of the frames ring, the
+    /// frame waiting beside it, the one the ISP is reading, and one for the driver to fill.
+    pub buffers: Option<u32>,
     pub backpressure: Backpressure,
     /// Deliver file and pattern frames at their rate instead of as fast as possible.
     pub realtime: Option<bool>,
@@ -186,6 +190,7 @@ impl ChainSpec {
             max_frames,
             max_tokens,
             depth,
+            buffers,
             realtime,
             matrix,
             range,
@@ -246,7 +251,61 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
     } else {
         Pacing::AsFastAsPossible
     };
-    let source: Box<dyn FrameSource> = isp_v4l2::open_source(source_spec, pacing)?;
+    // The GPU first: what it can import decides where frames are allocated and where the ISP
+    // runs.
+    let wants_gpu = spec.isp != Placement::Cpu || spec.encoder != Placement::Cpu;
+    let gpu = if wants_gpu {
+        match GpuContext::open() {
+            Ok(g) => Some(g),
+            Err(e) if spec.isp != Placement::Gpu && spec.encoder != Placement::Gpu => {
+                notes.push(format!("no GPU ({e}); the ISP and encoder run on the CPU"));
+                None
+            }
+            Err(e) => return Err(e),
+        }
+    } else {
+        None
+    };
+    let camera = source_spec.starts_with("camera:");
+    // A camera's frames are the driver's dma-bufs: a GPU ISP must import dma-bufs to read them
+    // in place. `auto` then runs the ISP on the CPU (it maps them); `gpu` is an error.
+    let isp_on_gpu = match (&gpu, spec.isp) {
+        (None, _) | (_, Placement::Cpu) => false,
+        (Some(g), placement) if camera && !g.caps.dma_buf => {
+            if placement == Placement::Gpu {
+                return Err(format!(
+                    "--isp gpu: {} cannot import dma-bufs (no VK_EXT_external_memory_dma_buf), \
+                     so it cannot read the camera's buffers in place; use --isp cpu or auto",
+                    g.adapter
+                )
+                .into());
+            }
+            notes.push(format!(
+                "isp: on the CPU, because {} cannot import the camera's dma-bufs \
+                 (no VK_EXT_external_memory_dma_buf)",
+                g.adapter
+            ));
+            false
+        }
+        (Some(_), _) => true,
+    };
+    let depth = spec.depth.unwrap_or(2).max(1);
+    let camera_buffers = spec
+        .buffers
+        .unwrap_or_else(|| u32::try_from(depth + 3).unwrap_or(u32::MAX))
+        .min(isp_v4l2::v4l2::MAX_BUFFERS);
+    let source: Box<dyn FrameSource> = isp_v4l2::open_source(
+        source_spec,
+        &isp_v4l2::SourceOptions {
+            pacing,
+            camera_buffers: Some(camera_buffers),
+            // Frames a GPU ISP reads come from memory it imports.
+            frame_backends: gpu
+                .as_ref()
+                .filter(|_| isp_on_gpu)
+                .map(|g| g.caps.importable_backends()),
+        },
+    )?;
     let live = match spec.backpressure {
         Backpressure::Drop => true,
         Backpressure::Block => false,
@@ -375,21 +434,8 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         layout: Layout::Chw,
     };
 
-    let wants_gpu = spec.isp != Placement::Cpu || spec.encoder != Placement::Cpu;
-    let gpu = if wants_gpu {
-        match GpuContext::open() {
-            Ok(g) => Some(g),
-            Err(e) if spec.isp != Placement::Gpu && spec.encoder != Placement::Gpu => {
-                notes.push(format!("no GPU ({e}); the ISP and encoder run on the CPU"));
-                None
-            }
-            Err(e) => return Err(e),
-        }
-    } else {
-        None
-    };
-    let isp: Box<dyn IspStage> = match (&gpu, spec.isp) {
-        (Some(g), Placement::Gpu | Placement::Auto) => Box::new(GpuIsp::new(g.clone(), preprocess)),
+    let isp: Box<dyn IspStage> = match (&gpu, isp_on_gpu) {
+        (Some(g), true) => Box::new(GpuIsp::new(g.clone(), preprocess)),
         _ => Box::new(CpuIsp::new(preprocess)),
     };
     let encoder: Box<dyn EncoderStage> = match (&gpu, spec.encoder) {
@@ -448,7 +494,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         options: RunOptions {
             every: spec.every.unwrap_or(1).max(1),
             max_frames: spec.max_frames,
-            depth: spec.depth.unwrap_or(2).max(1),
+            depth,
             live,
             trace,
         },

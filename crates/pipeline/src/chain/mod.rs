@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use isp_v4l2::{Frame, FrameSource};
-use uvm_alloc::{Access, Allocator, CopyLedger, UnifiedBuffer};
+use uvm_alloc::{Access, Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
 
 use ring::{Consumer, Ended, Producer};
 pub use stages::{
@@ -201,12 +201,32 @@ pub fn run(
     } = chain;
     let depth = options.depth.max(1);
     let every = options.every.max(1);
-    let allocator = Allocator::new(Default::default())?;
-    let buffers = |bytes: usize| -> Result<Vec<Arc<UnifiedBuffer>>, StageError> {
-        (0..depth)
-            .map(|_| Ok(Arc::new(allocator.allocate(bytes)?)))
-            .collect()
+    // Each ring's buffers come from a backend both of its stages use in place (a GPU stage
+    // whose driver cannot import dma-bufs gets host memory it imports by address).
+    let allocator_for = |a: Option<Vec<BackendKind>>,
+                         b: Option<Vec<BackendKind>>|
+     -> Result<Allocator, StageError> {
+        let backends: Vec<BackendKind> = BackendKind::ALL
+            .into_iter()
+            .filter(|k| a.as_ref().is_none_or(|a| a.contains(k)))
+            .filter(|k| b.as_ref().is_none_or(|b| b.contains(k)))
+            .collect();
+        if backends.is_empty() {
+            return Err("no buffer backend both neighbouring stages can use in place".into());
+        }
+        Ok(Allocator::new(AllocatorDesc {
+            backends,
+            ..AllocatorDesc::default()
+        })?)
     };
+    let pixels_allocator = allocator_for(isp.buffer_backends(), encoder.buffer_backends())?;
+    let embed_allocator = allocator_for(encoder.buffer_backends(), None)?;
+    let buffers =
+        |allocator: &Allocator, bytes: usize| -> Result<Vec<Arc<UnifiedBuffer>>, StageError> {
+            (0..depth)
+                .map(|_| Ok(Arc::new(allocator.allocate(bytes)?)))
+                .collect()
+        };
     let pixels_bytes = isp.output_bytes();
     let s = encoder.image_size();
     if pixels_bytes != 3 * s * s * 4 {
@@ -216,8 +236,8 @@ pub fn run(
         .into());
     }
     let embed_len = encoder.image_tokens() * encoder.text_hidden();
-    let pixel_buffers = buffers(pixels_bytes)?;
-    let embed_buffers = buffers(embed_len * 4)?;
+    let pixel_buffers = buffers(&pixels_allocator, pixels_bytes)?;
+    let embed_buffers = buffers(&embed_allocator, embed_len * 4)?;
 
     let ledger_before = CopyLedger::global().report();
     let origin = Instant::now();

@@ -34,6 +34,11 @@ pub trait IspStage: Send {
     fn output_bytes(&self) -> usize;
     /// Writes `frame`'s model input into `out`; returns when `out` is complete.
     fn process(&mut self, frame: &Frame, out: &Arc<UnifiedBuffer>) -> Result<(), StageError>;
+    /// The buffer backends it reads and writes in place, best first; `None` for any (a CPU
+    /// stage maps them all). The chain allocates its rings from these.
+    fn buffer_backends(&self) -> Option<Vec<uvm_alloc::BackendKind>> {
+        None
+    }
 }
 
 /// The vision encoder: the ISP's tensor in, `image_tokens x text_hidden` f32 embeddings out
@@ -50,6 +55,11 @@ pub trait EncoderStage: Send {
     /// Width of each row (the text model's hidden size).
     fn text_hidden(&self) -> usize {
         self.config().text_hidden
+    }
+    /// The buffer backends it reads and writes in place, best first; `None` for any (a CPU
+    /// stage maps them all). The chain allocates its rings from these.
+    fn buffer_backends(&self) -> Option<Vec<uvm_alloc::BackendKind>> {
+        None
     }
     /// Side of the square input image.
     fn image_size(&self) -> usize {
@@ -349,6 +359,10 @@ impl IspStage for GpuIsp {
         "isp-gpu"
     }
 
+    fn buffer_backends(&self) -> Option<Vec<uvm_alloc::BackendKind>> {
+        Some(self.gpu.caps.importable_backends())
+    }
+
     fn output_bytes(&self) -> usize {
         3 * self.params.width * self.params.height * 4
     }
@@ -488,6 +502,10 @@ impl GpuEncoder {
 impl EncoderStage for GpuEncoder {
     fn name(&self) -> &'static str {
         "encoder-gpu"
+    }
+
+    fn buffer_backends(&self) -> Option<Vec<uvm_alloc::BackendKind>> {
+        Some(self.gpu.caps.importable_backends())
     }
 
     fn config(&self) -> &crate::vision::VisionConfig {
