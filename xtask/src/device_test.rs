@@ -428,7 +428,8 @@ fn run_one(report: &Value, planned: &Planned, timeout: Duration) -> Value {
         Ok(found) => {
             let start = Instant::now();
             let (status, detail) = match execute(planned, timeout) {
-                Ok(()) => ("passed", found),
+                Ok(details) if details.is_empty() => ("passed", found),
+                Ok(details) => ("passed", format!("{found}; {details}")),
                 Err(why) => ("failed", why),
             };
             (status, detail, start.elapsed().as_secs_f64())
@@ -445,12 +446,16 @@ fn run_one(report: &Value, planned: &Planned, timeout: Duration) -> Value {
     })
 }
 
-/// Runs the test binary for exactly this test; `Err` says why it failed.
-fn execute(planned: &Planned, timeout: Duration) -> Result<(), String> {
+/// A test's output line that starts with this is a figure for the report's detail column.
+const DETAIL_PREFIX: &str = "device-test detail:";
+
+/// Runs the test binary for exactly this test: the detail lines it printed, or why it failed.
+fn execute(planned: &Planned, timeout: Duration) -> Result<String, String> {
     let t = &planned.test;
     let mut cmd = Command::new(&planned.executable);
+    // --nocapture: a test's `device-test detail:` lines (what it measured) reach the report.
     cmd.current_dir(&planned.cwd)
-        .args(["--exact", t.name, "--test-threads=1"])
+        .args(["--exact", t.name, "--test-threads=1", "--nocapture"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -491,7 +496,13 @@ fn execute(planned: &Planned, timeout: Duration) -> Result<(), String> {
         return Err(format!("timed out after {timeout:?} and was killed"));
     };
     if status.success() && stdout.contains("test result: ok. 1 passed") {
-        return Ok(());
+        let details: Vec<&str> = stdout
+            .lines()
+            .chain(stderr.lines())
+            .filter_map(|l| l.strip_prefix(DETAIL_PREFIX))
+            .map(str::trim)
+            .collect();
+        return Ok(details.join("; "));
     }
     if status.success() {
         return Err("the test did not run (renamed or filtered out?)".into());
@@ -521,6 +532,19 @@ fn guest(plan_path: &Path, default_timeout: Duration) -> Result<(), Box<dyn std:
         dir.join("devices.json"),
         serde_json::to_string_pretty(&report)? + "\n",
     )?;
+    // The kernel and the modules it runs, as the guest sees them.
+    let modules: Vec<String> = std::fs::read_to_string("/proc/modules")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .collect();
+    let guest = json!({
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default(),
+        "modules": modules,
+    });
+    std::fs::write(dir.join("guest.json"), guest.to_string() + "\n")?;
     let timeout = plan["test_timeout_s"]
         .as_u64()
         .map_or(default_timeout, Duration::from_secs);

@@ -157,3 +157,23 @@ fn vulkan_adapters() -> Value {
         .collect();
     json!({ "present": true, "items": items })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory's entries are listed (a heap directory once listed none, so heaps read as
+    /// absent on every machine that had them).
+    #[test]
+    fn directory_classes_list_their_nodes() {
+        let dir = std::env::temp_dir().join(format!("xtask-devices-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("system"), "").unwrap();
+        let found = dir_entries(dir.to_str().unwrap(), |name| Some(format!("heap {name}")));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(found["present"], true);
+        assert_eq!(found["items"][0]["description"], "heap system");
+        let absent = dir_entries("/nonexistent-xtask-dir", |_| Some(String::new()));
+        assert_eq!(absent["present"], false);
+    }
+}

@@ -174,8 +174,9 @@ impl Lab {
         loop {
             match rx.recv_timeout(Duration::from_millis(200)) {
                 Ok(line) => {
-                    // The serial console ends lines with \r\n.
-                    let line = line.trim_end_matches('\r');
+                    // The serial console ends lines with \r\n, and the firmware clears the
+                    // screen with escape sequences: keep printable text only.
+                    let line = printable(&line);
                     writeln!(console, "{line}")?;
                     println!("vm | {line}");
                 }
@@ -322,6 +323,30 @@ impl Lab {
         );
         s
     }
+}
+
+/// `line` without terminal control sequences (`ESC [ ... letter`) and other control characters.
+fn printable(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.peek() == Some(&'[') {
+                chars.next();
+                // Parameters and intermediates, then one final byte in @..~.
+                for d in chars.by_ref() {
+                    if ('@'..='~').contains(&d) {
+                        break;
+                    }
+                }
+            } else {
+                chars.next();
+            }
+        } else if !c.is_control() || c == '\t' {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// One module for the initramfs, decompressed.
@@ -592,6 +617,15 @@ mod tests {
         );
         assert!(module_depends(b"\0depends=\0").is_empty());
         assert!(module_depends(b"license=GPL").is_empty());
+    }
+
+    #[test]
+    fn console_lines_lose_escape_sequences() {
+        assert_eq!(
+            printable("\u{1b}c\u{1b}[?7l\u{1b}[2JBooting from ROM..\r"),
+            "Booting from ROM.."
+        );
+        assert_eq!(printable("lab: ok\t1"), "lab: ok\t1");
     }
 
     #[test]

@@ -48,6 +48,11 @@ pub trait FrameSource: Send {
     fn timeline(&self) -> Arc<dyn Timeline>;
     /// The next frame, or `None` at the end of the stream.
     fn next_frame(&mut self) -> Result<Option<Frame>, Error>;
+    /// Frames lost before they were delivered (a camera's sequence gaps and error frames); 0
+    /// for sources that deliver every frame.
+    fn dropped(&self) -> u64 {
+        0
+    }
 }
 
 /// Shared bookkeeping of paced, timeline-signalling sources.

@@ -420,12 +420,6 @@ impl V4l2Source {
         Ok(source)
     }
 
-    /// Frames lost so far: sequence gaps (the driver had no buffer, or skipped), and frames the
-    /// driver flagged as errors or delivered short.
-    pub fn dropped(&self) -> u64 {
-        self.dropped
-    }
-
     /// The device node.
     pub fn path(&self) -> &Path {
         &self.path
@@ -551,6 +545,12 @@ impl FrameSource for V4l2Source {
 
     fn timeline(&self) -> Arc<dyn Timeline> {
         self.timeline.clone()
+    }
+
+    /// Frames lost so far: sequence gaps (the driver had no buffer, or skipped), and frames the
+    /// driver flagged as errors or delivered short.
+    fn dropped(&self) -> u64 {
+        self.dropped
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {

@@ -359,11 +359,12 @@ fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     let lat = |v: &[f64]| format!("{:8.1} {:8.1}", percentile(v, 50.0), percentile(v, 99.0));
     eprintln!(
-        "frames: {} in, {} skipped (--every), {} dropped, {} preprocessed, {} encoded, {} decoded \
-         in {:.2} s ({:.2} frames/s)",
+        "frames: {} in, {} skipped (--every), {} dropped ({} more lost at capture), {} \
+         preprocessed, {} encoded, {} decoded in {:.2} s ({:.2} frames/s)",
         report.frames_in,
         report.frames_skipped,
         report.frames_dropped,
+        report.frames_dropped_at_capture,
         report.frames_preprocessed,
         report.frames_encoded,
         report.frames_decoded,

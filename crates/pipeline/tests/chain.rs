@@ -484,8 +484,10 @@ fn replies_follow_the_regex_given_to_pipeline_run() {
 
 /// The chain on a real camera: live capture into exported dma-bufs, every frame sampled
 /// (`every 1`, so the decoder falls behind and the live chain must drop, never fail), latest
-/// frame wins, and no byte copied on the way to the decoder. Runs under `cargo xtask device-test`
-/// where a camera exists (the VM lab's vivid); ignored (never a pass) elsewhere.
+/// frame wins, and no byte copied on the way to the decoder. Twice: with the default capture
+/// buffers, and with the fewest (2) under deeper rings, where the source must wait for buffers
+/// to come back while the driver skips frames. Runs under `cargo xtask device-test` where a
+/// camera exists (the VM lab's vivid); ignored (never a pass) elsewhere.
 #[test]
 #[ignore = "hardware: needs a V4L2 capture device (/dev/video*) offering NV12, YUYV, YU12 or RGB3"]
 fn the_chain_describes_camera_frames() {
@@ -496,38 +498,52 @@ fn the_chain_describes_camera_frames() {
         .expect("a streaming camera with a format the ISP reads");
     let dir = tiny_vlm();
     let frames = 40;
-    let spec = ChainSpec {
-        source: Some(format!("camera:{}:320x240", camera.path.display())),
-        model: Some(dir.clone()),
-        vlm: Some(dir),
-        every: Some(1),
-        max_frames: Some(frames),
-        max_tokens: Some(4),
-        policy: Some("exact-f32".into()),
-        ..ChainSpec::default()
-    };
-    let built = build(&spec, false).unwrap();
-    assert!(built.options.live, "a camera is a live source");
-    let report = pipeline::chain::run(
-        built.chain,
-        &built.options,
-        Arc::new(AtomicBool::new(false)),
-        |_| {},
-    )
-    .unwrap();
-    assert!(report.failure.is_none(), "{:?}", report.failure);
-    assert_eq!(report.frames_in, frames);
-    assert_eq!(report.frames_skipped, 0, "every 1 samples every frame");
-    assert!(report.frames_decoded >= 1);
-    assert_eq!(
-        report.frames_dropped + report.frames_decoded,
-        frames,
-        "each frame is described or counted as dropped"
-    );
-    assert_eq!(
-        report.bytes_copied, 0,
-        "camera frames are read where the driver put them"
-    );
+    for (depth, buffers) in [(None, None), (Some(3), Some(2))] {
+        let spec = ChainSpec {
+            source: Some(format!("camera:{}:320x240", camera.path.display())),
+            model: Some(dir.clone()),
+            vlm: Some(dir.clone()),
+            every: Some(1),
+            max_frames: Some(frames),
+            max_tokens: Some(4),
+            policy: Some("exact-f32".into()),
+            depth,
+            buffers,
+            ..ChainSpec::default()
+        };
+        let built = build(&spec, false).unwrap();
+        assert!(built.options.live, "a camera is a live source");
+        let report = pipeline::chain::run(
+            built.chain,
+            &built.options,
+            Arc::new(AtomicBool::new(false)),
+            |_| {},
+        )
+        .unwrap();
+        assert!(report.failure.is_none(), "{:?}", report.failure);
+        assert_eq!(report.frames_in, frames);
+        assert_eq!(report.frames_skipped, 0, "every 1 samples every frame");
+        assert!(report.frames_decoded >= 1);
+        assert_eq!(
+            report.frames_dropped + report.frames_decoded,
+            frames,
+            "each frame is described or counted as dropped"
+        );
+        assert_eq!(
+            report.bytes_copied, 0,
+            "camera frames are read where the driver put them"
+        );
+        eprintln!(
+            "device-test detail: depth {}, buffers {}: {} frames in, {} described, {} dropped, \
+             {} lost at capture, 0 bytes copied",
+            depth.unwrap_or(2),
+            buffers.map_or("default".to_string(), |b| b.to_string()),
+            report.frames_in,
+            report.frames_decoded,
+            report.frames_dropped,
+            report.frames_dropped_at_capture
+        );
+    }
 }
 
 /// A stage that panics is reported as that stage's failure; its neighbours do not hang, and the

@@ -141,6 +141,9 @@ pub struct RunReport {
     pub frames_in: u64,
     pub frames_skipped: u64,
     pub frames_dropped: u64,
+    /// Frames the source lost before delivering them (a camera's driver had no free buffer, or
+    /// flagged the frame as bad): not in `frames_in`.
+    pub frames_dropped_at_capture: u64,
     pub frames_preprocessed: u64,
     pub frames_encoded: u64,
     pub frames_decoded: u64,
@@ -277,6 +280,7 @@ pub fn run(
                 &mut log,
             );
             frames_tx.close();
+            counts.lost_at_capture = source.dropped();
             (counts, log, result.err().map(|e| ("source".to_string(), e)))
         });
         let isp_name = stage_names[0].clone();
@@ -400,6 +404,7 @@ pub fn run(
                 (StageCounts::default(), log, failure)
             });
         report.frames_in = source_counts.frames_in;
+        report.frames_dropped_at_capture = source_counts.lost_at_capture;
         report.frames_skipped = source_counts.skipped;
         report.frames_dropped +=
             source_counts.dropped + isp_counts.dropped + encoder_counts.dropped;
@@ -449,6 +454,7 @@ struct SourceCounts {
     frames_in: u64,
     skipped: u64,
     dropped: u64,
+    lost_at_capture: u64,
 }
 
 #[derive(Debug, Default)]
@@ -672,6 +678,7 @@ impl RunReport {
             "frames_in": self.frames_in,
             "frames_skipped": self.frames_skipped,
             "frames_dropped": self.frames_dropped,
+            "frames_dropped_at_capture": self.frames_dropped_at_capture,
             "frames_preprocessed": self.frames_preprocessed,
             "frames_encoded": self.frames_encoded,
             "frames_decoded": self.frames_decoded,
