@@ -242,10 +242,12 @@ impl Lab {
                 let path = entry?.path();
                 if path.is_dir() {
                     stack.push(path);
-                } else if let Some(name) = path.file_name().and_then(|n| n.to_str()) {
-                    if let Some(stem) = name.strip_suffix(".ko.xz") {
-                        index.insert(stem.replace('-', "_"), path.clone());
-                    }
+                } else if let Some(stem) = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_suffix(".ko.xz"))
+                {
+                    index.insert(stem.replace('-', "_"), path.clone());
                 }
             }
         }

@@ -435,7 +435,7 @@ impl V4l2Source {
         let count = config.buffers.clamp(2, MAX_BUFFERS);
         let granted = ioctl::vidioc_reqbufs(fd, count, self.memory)
             .map_err(|e| os_err(format!("VIDIOC_REQBUFS on {}", self.path.display()), e))?;
-        if granted < 2 || granted > MAX_BUFFERS {
+        if !(2..=MAX_BUFFERS).contains(&granted) {
             return Err(Error::BadFrame {
                 what: format!(
                     "{} granted {granted} buffers; streaming needs 2 to {MAX_BUFFERS}",

@@ -219,6 +219,9 @@ fn buffer(index: u32, memory: Memory, fd: i32, length: u32) -> uapi::v4l2_buffer
     }
 }
 
+// `timeval`'s fields are C `long`s: i64 here, i32 on 32-bit targets, where the conversion is not
+// the identity.
+#[allow(clippy::useless_conversion)]
 fn info(b: &uapi::v4l2_buffer) -> BufferInfo {
     BufferInfo {
         index: b.index,
