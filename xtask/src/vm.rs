@@ -10,10 +10,12 @@
 //! | DRM syncobj timelines, sync_file export | `virtio_gpu` (`-device virtio-gpu-pci`) |
 //! | real kernel fences on a dma-buf | `vgem` |
 //!
-//! What it fetches, all through apt and cached under `target/vm/`: `qemu-system-x86` and
-//! `busybox-static` (installed as packages), and the kernel `.deb` (`linux-image-6.12.*-amd64-unsigned`,
-//! the version `linux-image-6.12-amd64` depends on now, because older builds leave the archive),
-//! unpacked with `dpkg -x` and never installed into `/boot`.
+//! What it fetches, all through apt: `qemu-system-x86` and `xz-utils`, installed as packages
+//! when missing (qemu needs its shared libraries); `busybox-static` and the kernel `.deb`
+//! (`linux-image-6.12.*-amd64-unsigned`, the version `linux-image-6.12-amd64` depends on now,
+//! because older builds leave the archive), downloaded with `apt-get download`, unpacked with
+//! `dpkg -x` under `target/vm/` and reused from there, never installed (the kernel never reaches
+//! `/boot`).
 //!
 //! The guest's initramfs is busybox, the modules the lab needs (with their dependencies, from
 //! each module's own `depends=` entry) and an `/init` that loads them, mounts the host's root
@@ -37,9 +39,10 @@ const KERNEL_META_PACKAGE: &str = "linux-image-6.12-amd64";
 /// Host packages the lab runs on.
 const HOST_PACKAGES: &[(&str, &str)] = &[
     ("qemu-system-x86", "/usr/bin/qemu-system-x86_64"),
-    ("busybox-static", "/bin/busybox"),
     ("xz-utils", "/usr/bin/xz"),
 ];
+/// The guest's userland: one static binary, unpacked (not installed) from this package.
+const BUSYBOX_PACKAGE: &str = "busybox-static";
 /// Modules the guest loads, with their parameters; their dependencies are loaded first.
 const MODULES: &[(&str, &str)] = &[
     ("9pnet_virtio", ""),
@@ -67,6 +70,8 @@ pub(crate) struct Lab {
     vmlinuz: PathBuf,
     /// `lib/modules/VERSION` of the unpacked kernel.
     modules: PathBuf,
+    /// The static busybox unpacked from [`BUSYBOX_PACKAGE`].
+    busybox: PathBuf,
 }
 
 /// What a guest run left.
@@ -85,10 +90,12 @@ impl Lab {
         let dir = root.join("target/vm");
         std::fs::create_dir_all(&dir)?;
         ensure_host_packages()?;
+        let busybox =
+            unpack_package(&dir, BUSYBOX_PACKAGE, &dir.join("busybox"))?.join("bin/busybox");
         let (kernel_version, unpacked) = ensure_kernel(&dir)?;
         let vmlinuz = unpacked.join(format!("boot/vmlinuz-{kernel_version}"));
         let modules = unpacked.join(format!("lib/modules/{kernel_version}"));
-        for p in [&vmlinuz, &modules] {
+        for p in [&vmlinuz, &modules, &busybox] {
             if !p.exists() {
                 return Err(format!("the unpacked kernel lacks {}", p.display()).into());
             }
@@ -98,6 +105,7 @@ impl Lab {
             kernel_version,
             vmlinuz,
             modules,
+            busybox,
         })
     }
 
@@ -113,7 +121,12 @@ impl Lab {
         let xtask = std::env::current_exe()?.canonicalize()?;
         let modules = self.module_load_order()?;
         let initrd = self.dir.join("initrd.cpio");
-        write_initramfs(&initrd, &self.init_script(&run, &xtask, &modules), &modules)?;
+        write_initramfs(
+            &initrd,
+            &self.busybox,
+            &self.init_script(&run, &xtask, &modules),
+            &modules,
+        )?;
 
         let console_path = self.dir.join("console.log");
         let mut console = std::fs::File::create(&console_path)?;
@@ -317,11 +330,18 @@ impl Lab {
              mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 labout /newroot{run} || exec poweroff -f\n\
              echo \"lab: modules loaded, host root mounted; running the plan\"\n\
              chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin \
-             HOME=/root XDG_RUNTIME_DIR=/run CI=${{CI:-}} {xtask} device-test --guest {run}/plan.json\n\
+             HOME=/root XDG_RUNTIME_DIR=/run CI={ci} {xtask} device-test --guest {run}/plan.json\n\
              echo \"lab: guest runner exited with $?\"\n\
              sync\n\
              poweroff -f\n",
             xtask = xtask.display(),
+            // The host's CI flag, so tests that insist on their tools under CI do so in the
+            // guest too.
+            ci = if std::env::var("CI").is_ok_and(|v| v == "true" || v == "1") {
+                "true"
+            } else {
+                ""
+            },
         );
         s
     }
@@ -434,43 +454,63 @@ fn ensure_kernel(dir: &Path) -> Result<(String, PathBuf)> {
         .strip_prefix("linux-image-")
         .ok_or_else(|| format!("unexpected kernel package name {package}"))?
         .to_owned();
-    let unpacked = dir.join("kernel").join(&version);
-    if unpacked.join(".complete").exists() {
-        return Ok((version, unpacked));
+    let unsigned = format!("{package}-unsigned");
+    let unpacked = unpack_package(dir, &unsigned, &dir.join("kernel").join(&version))?;
+    Ok((version, unpacked))
+}
+
+/// `package` unpacked into `dest` with `dpkg -x` (downloaded with `apt-get download` into
+/// `dir/debs`, deleted once unpacked), or `dest` as it is when an earlier run finished unpacking
+/// it there.
+fn unpack_package(dir: &Path, package: &str, dest: &Path) -> Result<PathBuf> {
+    if dest.join(".complete").exists() {
+        return Ok(dest.to_owned());
     }
     let debs = dir.join("debs");
     std::fs::create_dir_all(&debs)?;
-    let unsigned = format!("{package}-unsigned");
-    println!("fetching {unsigned} (apt-get download; unpacked with dpkg -x, never installed)");
-    let status = Command::new("apt-get")
-        .current_dir(&debs)
-        .args(["download", "-qq", &unsigned])
-        .status()?;
+    println!("fetching {package} (apt-get download; unpacked with dpkg -x, never installed)");
+    let download = || {
+        Command::new("apt-get")
+            .current_dir(&debs)
+            .args(["download", "-qq", package])
+            .status()
+    };
+    let mut status = download()?;
     if !status.success() {
-        return Err(format!("apt-get download {unsigned} failed ({status})").into());
+        // Lists that never were, or went stale, name no (or a removed) version: refresh once.
+        if Command::new("apt-get")
+            .args(["update", "-qq"])
+            .status()?
+            .success()
+        {
+            status = download()?;
+        }
+    }
+    if !status.success() {
+        return Err(format!("apt-get download {package} failed ({status})").into());
     }
     let deb = std::fs::read_dir(&debs)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| {
             p.file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&unsigned) && n.ends_with(".deb"))
+                .is_some_and(|n| n.starts_with(&format!("{package}_")) && n.ends_with(".deb"))
         })
-        .ok_or_else(|| format!("apt-get download left no {unsigned} .deb"))?;
-    let _ = std::fs::remove_dir_all(&unpacked);
-    std::fs::create_dir_all(&unpacked)?;
+        .ok_or_else(|| format!("apt-get download left no {package} .deb"))?;
+    let _ = std::fs::remove_dir_all(dest);
+    std::fs::create_dir_all(dest)?;
     let status = Command::new("dpkg")
         .arg("-x")
         .arg(&deb)
-        .arg(&unpacked)
+        .arg(dest)
         .status()?;
     if !status.success() {
         return Err(format!("dpkg -x {} failed ({status})", deb.display()).into());
     }
     // The .deb is not needed once unpacked; the marker says the unpack finished.
     let _ = std::fs::remove_file(&deb);
-    std::fs::write(unpacked.join(".complete"), "")?;
-    Ok((version, unpacked))
+    std::fs::write(dest.join(".complete"), "")?;
+    Ok(dest.to_owned())
 }
 
 /// The versioned image package [`KERNEL_META_PACKAGE`] depends on now, from apt's lists
@@ -527,8 +567,8 @@ fn module_depends(module: &[u8]) -> Vec<String> {
 /// Writes the initramfs as an uncompressed `newc` cpio archive: `/init`, busybox, the modules in
 /// load order, the mount points, and `/dev/console` (the kernel opens it for init's stdio
 /// before anything mounts devtmpfs).
-fn write_initramfs(path: &Path, init: &str, modules: &[Module]) -> Result<()> {
-    let busybox = std::fs::read("/bin/busybox")?;
+fn write_initramfs(path: &Path, busybox: &Path, init: &str, modules: &[Module]) -> Result<()> {
+    let busybox = std::fs::read(busybox)?;
     let mut archive = Cpio::default();
     for d in [
         "bin",
