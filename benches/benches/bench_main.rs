@@ -650,15 +650,23 @@ mod isp {
             compilation_options: Default::default(),
             cache: None,
         });
-        let frame_gpu = import_wgpu_buffer(
-            &device,
-            &caps,
-            Arc::clone(&frame.buffer),
-            wgpu::BufferUsages::STORAGE,
-            None,
-        )
+        // SAFETY: the pattern source wrote the frame under a guard it dropped; the device only
+        // reads it, and nothing on the CPU touches it again.
+        let frame_gpu = unsafe {
+            import_wgpu_buffer(
+                &device,
+                &caps,
+                Arc::clone(&frame.buffer),
+                wgpu::BufferUsages::STORAGE,
+                None,
+            )
+        }
         .unwrap();
-        let allocator = uvm_alloc::Allocator::new(Default::default()).unwrap();
+        let allocator = uvm_alloc::Allocator::new(uvm_alloc::AllocatorDesc {
+            backends: caps.importable_backends(),
+            ..Default::default()
+        })
+        .unwrap();
         let mut group = c.benchmark_group(format!("isp_gpu ({})", adapter.get_info().name));
         group
             .sample_size(10)
@@ -672,8 +680,11 @@ mod isp {
             };
             let params = isp_v4l2::gpu::GpuParams::new(&frame.desc, &p).unwrap();
             let out = Arc::new(allocator.allocate(params.output_bytes() as usize).unwrap());
-            let out_gpu =
-                import_wgpu_buffer(&device, &caps, out, wgpu::BufferUsages::STORAGE, None).unwrap();
+            // SAFETY: the output is never read on the CPU (the bench times the pass only).
+            let out_gpu = unsafe {
+                import_wgpu_buffer(&device, &caps, out, wgpu::BufferUsages::STORAGE, None)
+            }
+            .unwrap();
             let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: None,
                 contents: bytemuck::bytes_of(&params),
@@ -914,7 +925,8 @@ mod vision {
             group.bench_function(id, |b| {
                 b.iter(|| {
                     let mut encoder = device.create_command_encoder(&Default::default());
-                    gpu.record(&device, &mut encoder, &input, &output);
+                    gpu.record(&device, &mut encoder, &input, &output)
+                        .expect("buffers of the encoder's sizes");
                     queue.submit([encoder.finish()]);
                     device
                         .poll(wgpu::PollType::wait_indefinitely())

@@ -29,6 +29,9 @@ pub struct Plane {
     pub height: usize,
 }
 
+/// The largest width or height a frame may have (16K video is 15360 wide).
+pub const MAX_DIMENSION: usize = 16384;
+
 /// Size and format of a frame, with its tightly packed plane layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameDesc {
@@ -38,12 +41,20 @@ pub struct FrameDesc {
 }
 
 impl FrameDesc {
-    /// A validated description: non-zero size, even dimensions where chroma is subsampled, and
-    /// a byte size that fits in `usize`.
+    /// A validated description: non-zero size within [`MAX_DIMENSION`] on each side, even
+    /// dimensions where chroma is subsampled, and a byte size that fits in `usize`.
     pub fn new(width: usize, height: usize, format: PixelFormat) -> Result<FrameDesc, Error> {
         if width == 0 || height == 0 {
             return Err(Error::BadFrame {
                 what: format!("zero-sized frame {width}x{height}"),
+            });
+        }
+        if width > MAX_DIMENSION || height > MAX_DIMENSION {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "frame {width}x{height} is larger than {MAX_DIMENSION} pixels on a side \
+                     (no camera or clip this crate reads is; the header is corrupt or hostile)"
+                ),
             });
         }
         let (even_w, even_h) = match format {

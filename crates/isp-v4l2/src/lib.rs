@@ -55,7 +55,7 @@ mod source;
 pub mod sys;
 pub mod v4l2;
 
-pub use format::{FrameDesc, PixelFormat, Plane};
+pub use format::{FrameDesc, MAX_DIMENSION, PixelFormat, Plane};
 pub use source::{
     Frame, FrameSource, ImageSource, Pacing, PatternSource, SourceOptions, Y4mSource, open_source,
 };

@@ -329,8 +329,10 @@ impl Y4mSource<std::io::BufReader<std::fs::File>> {
 impl<R: BufRead + Send> Y4mSource<R> {
     /// Reads the stream header from `reader`; an unsupported or malformed header is an error.
     pub fn new(reader: R, pacing: Pacing) -> Result<Self, Error> {
-        // Frames larger than 256 MiB are refused before any allocation.
-        let limits = y4m::Limits { bytes: 256 << 20 };
+        // Frames over the limit are refused before any allocation.
+        let limits = y4m::Limits {
+            bytes: Y4M_FRAME_LIMIT,
+        };
         let consumed = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let counted = Counted {
             inner: reader,
@@ -377,9 +379,20 @@ fn unsupported_colorspace(c: y4m::Colorspace) -> &'static str {
     }
 }
 
+/// The largest Y4M frame read (a 16K 4:4:4 frame is 805 MB; 8K 4:2:0 is 50 MB).
+const Y4M_FRAME_LIMIT: usize = 256 << 20;
+
 fn y4m_error(e: y4m::Error) -> Error {
     Error::Y4m {
-        what: format!("{e:?}"),
+        what: match e {
+            // The y4m crate's name for a frame over `Limits::bytes`, refused before allocation.
+            y4m::Error::OutOfMemory => format!(
+                "the header declares frames larger than the {} MiB limit (a corrupt or hostile \
+                 header)",
+                Y4M_FRAME_LIMIT >> 20
+            ),
+            other => format!("{other:?}"),
+        },
     }
 }
 
@@ -529,9 +542,32 @@ impl ImageSource {
 
     fn decode(&self, index: usize) -> Result<image::RgbImage, Error> {
         let path = &self.paths[index];
-        let img = image::open(path).map_err(|e| Error::Io {
+        let io = |e: &dyn std::fmt::Display| Error::Io {
             what: path.display().to_string(),
             error: e.to_string(),
+        };
+        // The header's size is checked before the decoder allocates: a 1 KB PNG may claim
+        // 100000x100000 pixels.
+        let mut reader = image::ImageReader::open(path)
+            .map_err(|e| io(&e))?
+            .with_guessed_format()
+            .map_err(|e| io(&e))?;
+        let mut limits = image::Limits::default();
+        limits.max_image_width = Some(crate::format::MAX_DIMENSION as u32);
+        limits.max_image_height = Some(crate::format::MAX_DIMENSION as u32);
+        // An RGB8 image at the largest size is 768 MiB; 1 GiB of decoder allocations in all.
+        limits.max_alloc = Some(1 << 30);
+        reader.limits(limits);
+        let img = reader.decode().map_err(|e| match e {
+            image::ImageError::Limits(l) => Error::BadFrame {
+                what: format!(
+                    "{}: the image is larger than this source reads ({l}; at most \
+                     {max}x{max} pixels)",
+                    path.display(),
+                    max = crate::format::MAX_DIMENSION
+                ),
+            },
+            other => io(&other),
         })?;
         Ok(img.into_rgb8())
     }

@@ -54,7 +54,12 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
         compilation_options: Default::default(),
         cache: None,
     });
-    let allocator = Allocator::new(AllocatorDesc::default()).unwrap();
+    // Memory this device imports in place.
+    let allocator = Allocator::new(AllocatorDesc {
+        backends: caps.importable_backends(),
+        ..AllocatorDesc::default()
+    })
+    .unwrap();
     let mut state = 0x1234_5678u32;
     let mut checked = 0;
     for format in [
@@ -77,13 +82,16 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
             }
         }
         let frame = Arc::new(frame);
-        let frame_gpu = import_wgpu_buffer(
-            &device,
-            &caps,
-            Arc::clone(&frame),
-            wgpu::BufferUsages::STORAGE,
-            None,
-        )
+        // SAFETY: the frame's write guard is dropped above; the device only reads it.
+        let frame_gpu = unsafe {
+            import_wgpu_buffer(
+                &device,
+                &caps,
+                Arc::clone(&frame),
+                wgpu::BufferUsages::STORAGE,
+                None,
+            )
+        }
         .unwrap();
         for (resize, layout, crop, (w, h), matrix, range) in [
             (
@@ -153,13 +161,17 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
                     }
                 };
                 let out = Arc::new(allocator.allocate(params.output_bytes() as usize).unwrap());
-                let out_gpu = import_wgpu_buffer(
-                    &device,
-                    &caps,
-                    Arc::clone(&out),
-                    wgpu::BufferUsages::STORAGE,
-                    None,
-                )
+                // SAFETY: the output is read on the CPU only after the device poll that waits for
+                // the pass.
+                let out_gpu = unsafe {
+                    import_wgpu_buffer(
+                        &device,
+                        &caps,
+                        Arc::clone(&out),
+                        wgpu::BufferUsages::STORAGE,
+                        None,
+                    )
+                }
                 .unwrap();
                 let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                     label: Some("isp params"),

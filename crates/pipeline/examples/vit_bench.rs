@@ -139,7 +139,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for _ in 0..iters.max(1) + 1 {
                 let t = Instant::now();
                 let mut encoder = device.create_command_encoder(&Default::default());
-                gpu.record(&device, &mut encoder, &input, &output);
+                gpu.record(&device, &mut encoder, &input, &output)?;
                 queue.submit([encoder.finish()]);
                 device.poll(wgpu::PollType::wait_indefinitely())?;
                 times.push(t.elapsed().as_secs_f64() * 1e3);
@@ -201,7 +201,7 @@ fn profile_one(
         mapped_at_creation: false,
     });
     let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record_profiled(device, &mut encoder, input, output, Some(&set));
+    gpu.record_profiled(device, &mut encoder, input, output, Some(&set))?;
     encoder.resolve_query_set(&set, 0..count, &resolve, 0);
     encoder.copy_buffer_to_buffer(&resolve, 0, &readback, 0, bytes);
     queue.submit([encoder.finish()]);

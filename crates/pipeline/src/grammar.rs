@@ -915,6 +915,10 @@ pub fn schema_to_regex(schema: &Value, whitespace: Whitespace) -> Result<String,
     .convert(schema, "#", 0)
 }
 
+/// The longest regular expression a schema may become (each level is checked, so no level
+/// builds more than a few times this).
+pub const MAX_SCHEMA_REGEX_BYTES: usize = 1 << 20;
+
 /// One JSON string character: anything but `"`, `\` and control characters, or an escape.
 const JSON_CHAR: &str = r#"(?:[^"\\\x00-\x1F\x7F]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))"#;
 /// llama.cpp's integral part: at most 16 digits, no leading zero.
@@ -956,7 +960,30 @@ struct SchemaConverter {
 }
 
 impl SchemaConverter {
+    /// The schema at `path` as a regular expression, refused once it passes
+    /// [`MAX_SCHEMA_REGEX_BYTES`]: each nested array or alternative repeats its child's pattern,
+    /// so a few hundred bytes of schema can ask for gigabytes of pattern.
     fn convert(&self, schema: &Value, path: &str, depth: usize) -> Result<String, GrammarError> {
+        let pattern = self.convert_unbounded(schema, path, depth)?;
+        if pattern.len() > MAX_SCHEMA_REGEX_BYTES {
+            return Err(GrammarError::InvalidSchema {
+                path: path.to_owned(),
+                reason: format!(
+                    "its regular expression passes {MAX_SCHEMA_REGEX_BYTES} bytes ({} here): \
+                     nested arrays and alternatives repeat their items; flatten the schema",
+                    pattern.len()
+                ),
+            });
+        }
+        Ok(pattern)
+    }
+
+    fn convert_unbounded(
+        &self,
+        schema: &Value,
+        path: &str,
+        depth: usize,
+    ) -> Result<String, GrammarError> {
         let invalid = |reason: String| GrammarError::InvalidSchema {
             path: path.to_owned(),
             reason,
@@ -1679,6 +1706,15 @@ mod tests {
         }
         let err = schema_to_regex(&deep, Whitespace::Bounded).expect_err("deep");
         assert!(err.to_string().contains("nested deeper"), "{err}");
+        // 24 nested arrays: 500 bytes of schema that once asked for gigabytes of pattern.
+        let mut wide = json!({"type": "integer"});
+        for _ in 0..24 {
+            wide = json!({"type": "array", "items": wide});
+        }
+        let start = std::time::Instant::now();
+        let err = schema_to_regex(&wide, Whitespace::Bounded).expect_err("wide");
+        assert!(err.to_string().contains("passes"), "{err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
 
     /// A byte-level BPE tokenizer (specials, the 256 byte tokens, a few merges) as a GGUF file

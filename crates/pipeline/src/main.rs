@@ -16,6 +16,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use isp_v4l2::isp::{Layout, Matrix, Preprocess, Range, preprocess};
 use isp_v4l2::{Pacing, SourceOptions, open_source};
 
+/// The most bytes of a .npy header `pipeline encode --pixels` reads (numpy writes 128).
+const NPY_HEADER_MAX: usize = 64 << 10;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "pipeline",
@@ -759,14 +762,25 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let s = cpu.config().image_size;
             let values = match (&image, &pixels) {
                 (_, Some(path)) => {
+                    // The file is untrusted: its size is bounded by what the tower takes (plus
+                    // a header) before it is read, and its declared shape is checked before
+                    // anything is allocated for its values.
+                    let max = (3 * s * s * 4 + NPY_HEADER_MAX) as u64;
+                    let size = std::fs::metadata(path)
+                        .map_err(|e| format!("reading {}: {e}", path.display()))?
+                        .len();
+                    if size > max {
+                        return Err(format!(
+                            "{}: {size} bytes, more than a 3x{s}x{s} f32 .npy ({max} at most)",
+                            path.display()
+                        )
+                        .into());
+                    }
                     let bytes = std::fs::read(path)
                         .map_err(|e| format!("reading {}: {e}", path.display()))?;
                     let npy = npyz::NpyFile::new(&bytes[..])
                         .map_err(|e| format!("{}: not a .npy file: {e}", path.display()))?;
                     let shape = npy.shape().to_vec();
-                    let values: Vec<f32> = npy
-                        .into_vec()
-                        .map_err(|e| format!("{}: expected f32 values: {e}", path.display()))?;
                     let want = [3, s as u64, s as u64];
                     if shape
                         .iter()
@@ -781,6 +795,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                         return Err(format!(
                             "{}: shape {shape:?}, the tower takes 3x{s}x{s}",
                             path.display()
+                        )
+                        .into());
+                    }
+                    let values: Vec<f32> = npy
+                        .into_vec()
+                        .map_err(|e| format!("{}: expected f32 values: {e}", path.display()))?;
+                    if values.len() != 3 * s * s {
+                        return Err(format!(
+                            "{}: {} values, the tower takes 3x{s}x{s}",
+                            path.display(),
+                            values.len()
                         )
                         .into());
                     }
@@ -912,7 +937,11 @@ fn encode_on_gpu(
         ..context.vision_options
     };
     let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(device, cpu, options)?;
-    let allocator = uvm_alloc::Allocator::new(Default::default())?;
+    // Memory this device imports in place.
+    let allocator = uvm_alloc::Allocator::new(uvm_alloc::AllocatorDesc {
+        backends: caps.importable_backends(),
+        ..Default::default()
+    })?;
     let input = allocator.allocate(values.len() * 4)?;
     input
         .cpu_access(0..values.len() * 4, uvm_alloc::Access::Write)?
@@ -920,10 +949,13 @@ fn encode_on_gpu(
         .copy_from_slice(values);
     let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize)?);
     let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-    let input_gpu = import_wgpu_buffer(device, caps, Arc::new(input), usage, None)?;
-    let output_gpu = import_wgpu_buffer(device, caps, Arc::clone(&output), usage, None)?;
+    // SAFETY: the input's write guard is dropped above; the device only reads it.
+    let input_gpu = unsafe { import_wgpu_buffer(device, caps, Arc::new(input), usage, None) }?;
+    // SAFETY: the output is read on the CPU only after the device poll below waits for the
+    // submission.
+    let output_gpu = unsafe { import_wgpu_buffer(device, caps, Arc::clone(&output), usage, None) }?;
     let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+    gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer)?;
     let c = gpu.config().clone();
     let vision_elems = c.patches_per_side().pow(2) * c.hidden;
     // The vision stage's output stays in device memory; copying it out is the one transfer this

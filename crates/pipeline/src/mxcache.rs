@@ -4,14 +4,18 @@
 //!
 //! The file is safetensors: each matrix is two `U8` tensors, `NAME.scales` and `NAME.codes`, in
 //! mx-quant's tiled layout ([`MxMatrix::tiled_parts`]); `__metadata__` holds the format version,
-//! a key naming the source file (path, length, modification time) and the policy, and each
-//! matrix's format and shape. A cache whose key differs is stale and ignored (and rewritten); a
-//! corrupt one is an error that names the file, never a panic: everything in it is validated
-//! like any other untrusted model file.
+//! a key (the SHA-256 of the source's bytes, and the policy) and each matrix's format and shape.
+//! The key is the content, not the path or the modification time: a model rewritten in place
+//! with its old mtime, or copied elsewhere, keys correctly. A cache whose key differs is stale
+//! and ignored (and rewritten); a corrupt one is an error that names the file, never a panic:
+//! everything in it is validated like any other untrusted model file.
 //!
 //! Writing streams: the header is computed from the plan (names, formats, shapes) before any
-//! matrix is converted, each matrix is appended as it is converted, and the file is renamed into
-//! place only when complete, so an interrupted conversion leaves no half-written cache behind.
+//! matrix is converted, each matrix is appended as it is converted, into a temporary file unique
+//! to the writer (process id and a counter), which is fsynced and only then renamed into place
+//! (the directory fsynced after): an interrupted conversion leaves no half-written cache behind,
+//! a crash leaves no renamed-but-empty one, and two processes converting the same model each
+//! write their own file, the last rename winning with a complete one.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -37,26 +41,48 @@ pub enum CacheError {
     Corrupt { path: PathBuf, what: String },
 }
 
-/// Identifies what a cache holds: the source file and the policy.
+/// Identifies what a cache holds: the source's content and the policy.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheKey(pub String);
 
 impl CacheKey {
-    /// The key for `source` converted under `policy` (its full description, not just its name).
+    /// The key for `source` (a file, or a directory of `*.safetensors` and `config.json`)
+    /// converted under `policy` (its full description, not just its name): SHA-256 over the
+    /// source's files in name order, each with its name and length.
     pub fn new(source: &Path, policy: &str) -> std::io::Result<CacheKey> {
-        let meta = std::fs::metadata(source)?;
-        let mtime = meta
-            .modified()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos());
-        let canonical = std::fs::canonicalize(source).unwrap_or_else(|_| source.to_path_buf());
-        Ok(CacheKey(format!(
-            "{}|{}|{}|{policy}",
-            canonical.display(),
-            meta.len(),
-            mtime
-        )))
+        use sha2::{Digest, Sha256};
+        let files: Vec<PathBuf> = if source.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(source)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.is_file()
+                        && (p.extension().is_some_and(|e| e == "safetensors")
+                            || p.file_name().is_some_and(|n| n == "config.json"))
+                })
+                .collect();
+            files.sort();
+            files
+        } else {
+            vec![source.to_path_buf()]
+        };
+        let mut hash = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        for path in &files {
+            use std::io::Read;
+            let mut file = std::fs::File::open(path)?;
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            hash.update(name.unwrap_or_default().as_bytes());
+            hash.update(file.metadata()?.len().to_le_bytes());
+            loop {
+                let n = file.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                hash.update(&buf[..n]);
+            }
+        }
+        let digest: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        Ok(CacheKey(format!("sha256:{digest}|{policy}")))
     }
 }
 
@@ -215,9 +241,9 @@ impl MxCache {
 #[allow(unsafe_code)]
 fn map_read_only(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: the file is opened read-only and its bytes are treated as untrusted (every length
-    // and offset is validated before use). Like every file mapping, the contents could change if
-    // another process rewrote the file while mapped; the cache is only ever replaced by rename,
-    // which leaves this mapping on the old inode.
+    // and offset is validated before use). The mapping is MAP_SHARED (memmap2's `Mmap::map`), so
+    // another process rewriting the file in place would show through it; the cache is only ever
+    // replaced by rename, which leaves this mapping on the old inode.
     unsafe { memmap2::Mmap::map(file) }
 }
 
@@ -274,8 +300,16 @@ impl CacheWriter {
         while !header.len().is_multiple_of(8) {
             header.push(b' ');
         }
-        let part = path.with_extension("part");
-        let file = std::fs::File::create(&part).map_err(io("create"))?;
+        // A name no other writer uses: two processes converting the same model never share a
+        // temporary file.
+        static WRITERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let part = path.with_extension(format!("part.{}.{n}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&part)
+            .map_err(io("create"))?;
         let mut file = std::io::BufWriter::with_capacity(1 << 20, file);
         file.write_all(&(header.len() as u64).to_le_bytes())
             .and_then(|()| file.write_all(&header))
@@ -336,7 +370,16 @@ impl CacheWriter {
             source,
         };
         self.file.flush().map_err(|e| io("flush", e))?;
+        // The bytes reach the disk before the name does, so a crash never leaves a complete
+        // name over incomplete contents.
+        self.file.get_ref().sync_all().map_err(|e| io("fsync", e))?;
         std::fs::rename(&self.part, &self.path).map_err(|e| io("rename", e))?;
+        if let Some(dir) = self.path.parent() {
+            // Best effort: the rename itself is durable once the directory is.
+            if let Ok(d) = std::fs::File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
         Ok(self.path.clone())
     }
 }
@@ -345,5 +388,57 @@ impl Drop for CacheWriter {
     fn drop(&mut self) {
         // An unfinished writer leaves nothing behind (`finish` has renamed the file away).
         let _ = std::fs::remove_file(&self.part);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("mxcache-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// The key follows the bytes: same length and the same mtime but other contents is another
+    /// key; the same contents under another name in another place is the same key.
+    #[test]
+    fn the_key_is_the_content() {
+        let dir = temp("key");
+        let (a, b) = (dir.join("a"), dir.join("b"));
+        std::fs::write(&a, b"weights-1").unwrap();
+        let key_a = CacheKey::new(&a, "p").unwrap();
+        let mtime = std::fs::metadata(&a).unwrap().modified().unwrap();
+        std::fs::write(&a, b"weights-2").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&a)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_ne!(CacheKey::new(&a, "p").unwrap(), key_a);
+        std::fs::create_dir_all(dir.join("elsewhere")).unwrap();
+        let c = dir.join("elsewhere").join("a");
+        std::fs::write(&c, b"weights-1").unwrap();
+        assert_eq!(CacheKey::new(&c, "p").unwrap(), key_a);
+        assert_ne!(CacheKey::new(&c, "q").unwrap(), key_a);
+        let _ = std::fs::remove_file(b);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Writers of the same cache each have their own temporary file.
+    #[test]
+    fn concurrent_writers_never_share_a_temporary_file() {
+        let dir = temp("writers");
+        let path = dir.join("m.mxcache.safetensors");
+        let key = CacheKey("k".into());
+        let first = CacheWriter::create(&path, &key, Vec::new()).unwrap();
+        let second = CacheWriter::create(&path, &key, Vec::new()).unwrap();
+        assert_ne!(first.part, second.part);
+        assert_eq!(first.finish().unwrap(), path);
+        assert_eq!(second.finish().unwrap(), path);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -263,8 +263,12 @@ impl VisionEncoder {
     /// Loads `dir/config.json` and `dir/*.safetensors` (SmolVLM naming).
     pub fn open(dir: &Path) -> Result<VisionEncoder, VisionError> {
         let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|e| file_error(&config_path, format!("read: {e}")))?;
+        let text = crate::model::read_text_capped(
+            &config_path,
+            "JSON config",
+            crate::model::MAX_CONFIG_BYTES,
+        )
+        .map_err(|e| file_error(&config_path, e.to_string()))?;
         let hf: HfVlm = serde_json::from_str(&text).map_err(|e| {
             file_error(
                 &config_path,

@@ -40,6 +40,13 @@ pub enum GpuVisionError {
     Unsupported(&'static str),
     #[error("invalid encoder options: {0}")]
     Invalid(String),
+    /// A buffer handed to `record` is smaller than the encode reads or writes.
+    #[error("the encoder's {what} buffer holds {bytes} bytes, the encode needs {needed}")]
+    BufferTooSmall {
+        what: &'static str,
+        bytes: u64,
+        needed: u64,
+    },
 }
 
 struct Dispatch {
@@ -1001,14 +1008,42 @@ impl GpuVisionEncoder {
 
     /// Records one image's encode into `encoder`: `pixels` holds `3 x image_size x image_size`
     /// f32 (CHW, normalised, as the ISP writes it), `out` receives the connector's output.
+    ///
+    /// # Errors
+    /// [`GpuVisionError::BufferTooSmall`] when `pixels` or `out` is smaller than the encode reads or writes
+    /// ([`GpuVisionEncoder::input_bytes`], [`GpuVisionEncoder::output_bytes`]): the tensor-core
+    /// module runs without bounds checks, so a short buffer is refused before it is bound.
     pub fn record(
         &self,
         device: &wgpu::Device,
         encoder: &mut wgpu::CommandEncoder,
         pixels: &wgpu::Buffer,
         out: &wgpu::Buffer,
-    ) {
-        self.record_profiled(device, encoder, pixels, out, None);
+    ) -> Result<(), GpuVisionError> {
+        self.record_profiled(device, encoder, pixels, out, None)
+    }
+
+    /// Bytes of the input tensor an encode reads (`3 x image_size x image_size` f32).
+    pub fn input_bytes(&self) -> u64 {
+        let s = self.config.image_size as u64;
+        3 * s * s * 4
+    }
+
+    /// Refuses buffers smaller than the encode reads or writes.
+    fn check_io(&self, pixels: &wgpu::Buffer, out: &wgpu::Buffer) -> Result<(), GpuVisionError> {
+        for (what, buffer, needed) in [
+            ("input", pixels, self.input_bytes()),
+            ("output", out, self.output_bytes()),
+        ] {
+            if buffer.size() < needed {
+                return Err(GpuVisionError::BufferTooSmall {
+                    what,
+                    bytes: buffer.size(),
+                    needed,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The kernel each dispatch of [`GpuVisionEncoder::record`] runs, in order.
@@ -1038,7 +1073,8 @@ impl GpuVisionEncoder {
         pixels: &wgpu::Buffer,
         out: &wgpu::Buffer,
         timestamps: Option<&wgpu::QuerySet>,
-    ) {
+    ) -> Result<(), GpuVisionError> {
+        self.check_io(pixels, out)?;
         let c = &self.config;
         let side = c.patches_per_side();
         let n = side * side;
@@ -1113,5 +1149,6 @@ impl GpuVisionEncoder {
         for (pipeline, bind, groups) in &project {
             run(*pipeline, bind, *groups);
         }
+        Ok(())
     }
 }

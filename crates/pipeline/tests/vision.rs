@@ -97,10 +97,14 @@ fn encode_on_gpu(
         .copy_from_slice(pixels);
     let output = Arc::new(allocator.allocate(gpu.output_bytes() as usize).unwrap());
     let usage = wgpu::BufferUsages::STORAGE;
-    let input_gpu = import_wgpu_buffer(device, caps, Arc::new(input), usage, None).unwrap();
-    let output_gpu = import_wgpu_buffer(device, caps, Arc::clone(&output), usage, None).unwrap();
+    // SAFETY: the input's write guard is dropped above; the device only reads it.
+    let input_gpu = unsafe { import_wgpu_buffer(device, caps, Arc::new(input), usage, None) };
+    // SAFETY: the output is read on the CPU only after the device poll below.
+    let output_gpu = unsafe { import_wgpu_buffer(device, caps, Arc::clone(&output), usage, None) };
+    let (input_gpu, output_gpu) = (input_gpu.unwrap(), output_gpu.unwrap());
     let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer);
+    gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer)
+        .unwrap();
     queue.submit([encoder.finish(), host_read_barrier(device).unwrap()]);
     device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
     output
@@ -591,4 +595,37 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             "{options:?}: GPU differs from the CPU reference by {rel}"
         );
     }
+}
+
+/// The encoder's modules may run without bounds checks, so `record` refuses buffers smaller
+/// than the encode reads or writes, before binding them.
+#[test]
+fn a_short_buffer_is_refused_before_it_is_bound() {
+    let Some(adapter) = vulkan_adapter() else {
+        return;
+    };
+    let (device, _queue, _caps) =
+        uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let (cpu, _) = random_tower(64, (48, 96, 2), 32, 5);
+    let gpu = pipeline::vision_gpu::GpuVisionEncoder::new(&device, &cpu).unwrap();
+    let buffer = |size: u64| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        })
+    };
+    let (input, output) = (buffer(gpu.input_bytes()), buffer(gpu.output_bytes()));
+    let short = buffer(gpu.output_bytes() - 4);
+    let mut encoder = device.create_command_encoder(&Default::default());
+    let err = gpu
+        .record(&device, &mut encoder, &input, &short)
+        .unwrap_err();
+    assert!(err.to_string().contains("output buffer"), "{err}");
+    let err = gpu
+        .record(&device, &mut encoder, &short, &output)
+        .unwrap_err();
+    assert!(err.to_string().contains("input buffer"), "{err}");
+    gpu.record(&device, &mut encoder, &input, &output).unwrap();
 }

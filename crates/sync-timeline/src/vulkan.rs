@@ -12,6 +12,7 @@
 //! wgpu and raw Vulkan share one device.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,8 +29,16 @@ pub struct VulkanTimeline {
     /// Host signals are serialised: two racing `vkSignalSemaphore` calls could reach the driver
     /// out of order, and a signal below the current value is invalid usage.
     host_signal: Mutex<()>,
+    /// The largest value a queue submission was registered to signal
+    /// ([`VulkanTimeline::expect_device_signal`]): until the semaphore reaches it, a queue may
+    /// still use the semaphore, so it is not destroyed.
+    device_signals: AtomicU64,
     owner: Arc<dyn Any + Send + Sync>,
 }
+
+/// How long dropping a timeline waits for registered device signals before it leaks the
+/// semaphore instead of destroying one a queue may still signal.
+const DROP_WAIT: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for VulkanTimeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -52,7 +61,9 @@ impl VulkanTimeline {
     /// # Safety
     /// - `device` is a valid `VkDevice` created with the `timelineSemaphore` feature (core in
     ///   Vulkan 1.2), and stays valid for as long as `owner` is alive;
-    /// - no queue still uses the semaphore when the timeline is dropped.
+    /// - every queue submission that signals the semaphore was first registered with
+    ///   [`VulkanTimeline::expect_device_signal`] (drop waits for those values), and none that
+    ///   only waits on it is still pending when the timeline is dropped.
     pub unsafe fn new(
         device: ash::Device,
         owner: Arc<dyn Any + Send + Sync>,
@@ -70,6 +81,7 @@ impl VulkanTimeline {
             device,
             semaphore,
             host_signal: Mutex::new(()),
+            device_signals: AtomicU64::new(0),
             owner,
         })
     }
@@ -92,9 +104,19 @@ impl VulkanTimeline {
         unsafe { VulkanTimeline::new(raw, Arc::new(device.clone()), initial) }
     }
 
-    /// The raw semaphore, for submissions made elsewhere.
+    /// The raw semaphore, for submissions made elsewhere (an `unsafe` Vulkan call): register
+    /// each value such a submission signals with [`VulkanTimeline::expect_device_signal`]
+    /// first, so the semaphore outlives it.
     pub fn semaphore(&self) -> vk::Semaphore {
         self.semaphore
+    }
+
+    /// Records that a queue submission will signal `value`: dropping the timeline waits (up to
+    /// 5 s) for the semaphore to reach the largest such value, and leaks the semaphore rather
+    /// than destroy it under a queue that has not got there. [`submit_wait_signal`] registers
+    /// its signals itself.
+    pub fn expect_device_signal(&self, value: u64) {
+        self.device_signals.fetch_max(value, Ordering::SeqCst);
     }
 
     /// The device the semaphore lives on.
@@ -110,8 +132,15 @@ impl VulkanTimeline {
 
 impl Drop for VulkanTimeline {
     fn drop(&mut self) {
+        let pending = self.device_signals.load(Ordering::SeqCst);
+        if pending > 0 && self.wait(pending, DROP_WAIT).is_err() {
+            // A registered submission has not signalled (a lost device, or a wait upstream
+            // that never came): the queue may still touch the semaphore, so it is leaked.
+            return;
+        }
         // SAFETY: the semaphore was created on this device, the device is alive (`owner` is
-        // dropped after this), and `new`'s contract says no queue still uses it.
+        // dropped after this), every registered device signal has landed (above), and `new`'s
+        // contract covers submissions that only wait on it.
         unsafe { self.device.destroy_semaphore(self.semaphore, None) }
     }
 }
@@ -185,6 +214,9 @@ pub unsafe fn submit_wait_signal(
             what: "a submission needs a wait or a signal",
         });
     };
+    for (t, v) in signals {
+        t.expect_device_signal(*v);
+    }
     let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|(t, _)| t.semaphore).collect();
     let wait_vals: Vec<u64> = waits.iter().map(|(_, v)| *v).collect();
     let stages = vec![vk::PipelineStageFlags::ALL_COMMANDS; waits.len()];

@@ -244,8 +244,9 @@ impl UnifiedBuffer {
     /// On a dma-buf this is `DMA_BUF_IOCTL_SYNC` START now and END on drop; on host memory it
     /// costs nothing. Writers are exclusive: a conflicting guard is [`Error::AccessConflict`].
     ///
-    /// Devices must not write the range while a guard is held (order device work and CPU
-    /// access with timelines).
+    /// Devices reach a buffer only through an `unsafe` import
+    /// (`vulkan::import_wgpu_buffer`), whose contract excludes device work on the memory while
+    /// a guard is alive; so the slices a guard hands out are never raced.
     pub fn cpu_access(&self, range: Range<usize>, access: Access) -> Result<CpuAccess<'_>, Error> {
         if range.start > range.end || range.end > self.len {
             return Err(Error::OutOfBounds {

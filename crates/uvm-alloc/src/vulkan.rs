@@ -152,8 +152,17 @@ pub struct ImportedBuffer {
 /// Imports `source` (its whole mapped length) into `device` as a wgpu buffer with `usage`:
 /// a dma-buf through its fd, memfd or host memory through its address. The wgpu buffer keeps
 /// `source` alive; drop every wgpu use of it before expecting the memory back. `device` must
-/// come from [`open_wgpu_device`], whose `caps` are passed in.
-pub fn import_wgpu_buffer(
+/// come from [`open_wgpu_device`], whose `caps` are passed in. Host memory is imported only into
+/// a `HOST_COHERENT` memory type (its CPU mapping has no flush or invalidate).
+///
+/// # Safety
+/// The device and the CPU must not race on the memory: while device work that reads or writes
+/// the returned buffer may be executing (from its submission until it is known complete, by a
+/// fence, a timeline value or a device poll), no [`UnifiedBuffer::cpu_access`] guard of
+/// `source` may be alive, and none may be taken; a guard held while such work is submitted must
+/// be dropped first. The CPU guards hand out plain `&[u8]`/`&mut [u8]`, so a device write under
+/// one would be a data race.
+pub unsafe fn import_wgpu_buffer(
     device: &wgpu::Device,
     caps: &ImportCaps,
     source: Arc<UnifiedBuffer>,
@@ -327,12 +336,26 @@ fn import(
         ImportPath::HostPointer | ImportPath::DmaBuf => vk::MemoryPropertyFlags::HOST_VISIBLE,
         ImportPath::OpaqueFd => vk::MemoryPropertyFlags::empty(),
     };
-    let Some(type_index) = (0..mem_props.memory_type_count).find(|&i| {
+    let fits = |i: u32, flags: vk::MemoryPropertyFlags| {
         candidates & (1 << i) != 0
             && mem_props.memory_types[i as usize]
                 .property_flags
-                .contains(wanted_flags)
-    }) else {
+                .contains(flags)
+    };
+    // Host memory imported by address is read and written through the buffer's own mapping,
+    // which has no Vulkan flush or invalidate: only a coherent type keeps the CPU and the device
+    // in agreement, so nothing else is accepted. A dma-buf's CPU access brackets itself with
+    // DMA_BUF_IOCTL_SYNC, whose exporter does the cache maintenance, so any host-visible type
+    // serves, coherent first.
+    let coherent = wanted_flags | vk::MemoryPropertyFlags::HOST_COHERENT;
+    let chosen = (0..mem_props.memory_type_count)
+        .find(|&i| fits(i, coherent))
+        .or_else(|| {
+            (path != ImportPath::HostPointer)
+                .then(|| (0..mem_props.memory_type_count).find(|&i| fits(i, wanted_flags)))
+                .flatten()
+        });
+    let Some(type_index) = chosen else {
         destroy_buffer(&raw);
         return Err(Error::Vulkan(format!(
             "no suitable memory type accepts this import (buffer types {:#x}, import types {:#x})",

@@ -110,13 +110,17 @@ fn shader_writes_the_pages_the_cpu_mapped() {
         }
     }
     let buffer = Arc::new(buffer);
-    let imported = import_wgpu_buffer(
-        &device,
-        &caps,
-        Arc::clone(&buffer),
-        wgpu::BufferUsages::STORAGE,
-        Some("unified"),
-    )
+    // SAFETY: the write guard above is dropped, and the CPU reads again only after the
+    // device poll waits for the shader.
+    let imported = unsafe {
+        import_wgpu_buffer(
+            &device,
+            &caps,
+            Arc::clone(&buffer),
+            wgpu::BufferUsages::STORAGE,
+            Some("unified"),
+        )
+    }
     .unwrap();
     let expected_path = if buffer.is_dma_buf() {
         ImportPath::DmaBuf

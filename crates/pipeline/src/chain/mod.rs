@@ -524,10 +524,10 @@ fn feed(
 /// then stops, which is not a failure of its own.
 fn publish(tx: &mut Producer<(Frame, Item)>, w: (Frame, Item), log: &mut TraceLog) -> bool {
     let frame = w.1.frame;
-    if tx.reserve().is_err() {
+    let Ok(slot) = tx.reserve() else {
         return false;
-    }
-    let value = tx.publish(w);
+    };
+    let value = tx.publish(slot, w);
     log.signal("frames", value, Some(frame));
     true
 }
@@ -569,9 +569,10 @@ where
             return Ok(());
         };
         let frame = frame_of(&input);
-        let Ok(Some(out)) = tx.reserve() else {
+        let Ok(slot) = tx.reserve() else {
             return Ok(());
         };
+        let out = Arc::clone(slot.buffer().expect("the ISP's output ring has buffers"));
         let start = Instant::now();
         let result = work(input, &out);
         rx.release();
@@ -580,7 +581,7 @@ where
         log.span(span, Some(frame), start, elapsed);
         counts.done += 1;
         counts.latency_ms.push(ms(elapsed));
-        let value = tx.publish(item);
+        let value = tx.publish(slot, item);
         log.signal(tx.name(), value, Some(frame));
     }
 }
@@ -602,9 +603,10 @@ fn pump_buffers(
             return Ok(());
         };
         let input = input.expect("the pixels ring has buffers");
-        let Ok(Some(out)) = tx.reserve() else {
+        let Ok(slot) = tx.reserve() else {
             return Ok(());
         };
+        let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let start = Instant::now();
         let ready = match submit(&input, &out) {
             Ok(ready) => ready,
@@ -613,10 +615,13 @@ fn pump_buffers(
                 return Err(e);
             }
         };
-        let value = tx.publish(Encoded {
-            item,
-            ready: ready.clone(),
-        });
+        let value = tx.publish(
+            slot,
+            Encoded {
+                item,
+                ready: ready.clone(),
+            },
+        );
         log.signal(tx.name(), value, Some(item.frame));
         // The device may still be reading the input.
         let finished = ready.wait(GPU_TIMEOUT);

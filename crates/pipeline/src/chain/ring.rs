@@ -74,6 +74,24 @@ impl<T> Shared<T> {
     }
 }
 
+/// The right to write and publish one item: made only by [`Producer::reserve`], spent by
+/// [`Producer::publish`], so safe code cannot publish into a slot the consumer may still read.
+#[derive(Debug)]
+#[must_use = "a reservation is published with Producer::publish"]
+pub struct Reservation {
+    /// The ring's shared state, as an address (identity only).
+    ring: usize,
+    index: u64,
+    buffer: Option<Arc<UnifiedBuffer>>,
+}
+
+impl Reservation {
+    /// The slot's buffer, for the producer to write (rings without buffers have none).
+    pub fn buffer(&self) -> Option<&Arc<UnifiedBuffer>> {
+        self.buffer.as_ref()
+    }
+}
+
 /// What [`Consumer::receive`] hands over: the item's record and its slot's buffer (when the
 /// ring has buffers).
 pub type Received<T> = (T, Option<Arc<UnifiedBuffer>>);
@@ -161,30 +179,44 @@ impl<T> Producer<T> {
         self.shared.freed.current() >= self.free_value()
     }
 
-    /// Waits until the next item's slot is free and returns its buffer (if the ring has
-    /// buffers): the producer may now write it.
-    pub fn reserve(&mut self) -> Result<Option<Arc<UnifiedBuffer>>, Ended> {
+    /// Waits until the next item's slot is free and hands it over as a [`Reservation`] (with
+    /// the slot's buffer, if the ring has buffers): the producer may now write it, and
+    /// publishes it by giving the reservation back to [`Producer::publish`].
+    pub fn reserve(&mut self) -> Result<Reservation, Ended> {
         self.shared.wait(&self.shared.freed, self.free_value())?;
         if self.shared.abandoned.load(Ordering::SeqCst) {
             return Err(Ended::Closed);
         }
         let depth = self.shared.slots.len() as u64;
-        Ok(self
-            .shared
-            .buffers
-            .get((self.next % depth) as usize)
-            .cloned())
+        Ok(Reservation {
+            ring: Arc::as_ptr(&self.shared).cast::<()>() as usize,
+            index: self.next,
+            buffer: self
+                .shared
+                .buffers
+                .get((self.next % depth) as usize)
+                .cloned(),
+        })
     }
 
-    /// Publishes the next item with its record. Call after [`Producer::reserve`] succeeded;
-    /// returns the timeline value signalled (the item's index + 1).
-    pub fn publish(&mut self, record: T) -> u64 {
-        debug_assert!(self.has_room(), "publish without a reserved slot");
-        let slot = &self.shared.slots[(self.next % self.shared.slots.len() as u64) as usize];
-        // SAFETY: `reserve` saw `freed >= next + 1 - depth`, so the consumer released the
-        // item that used this slot before and will not read it until `filled` reaches
-        // `next + 1`, which happens below; we are the only producer.
-        unsafe { *slot.get() = Some(record) };
+    /// Publishes the reserved item with its record; returns the timeline value signalled (the
+    /// item's index + 1).
+    ///
+    /// # Panics
+    /// If `slot` was reserved on another ring, or is stale (an item was published since it
+    /// was reserved): both are bugs in the caller, and publishing then could race the consumer.
+    pub fn publish(&mut self, slot: Reservation, record: T) -> u64 {
+        assert!(
+            slot.ring == Arc::as_ptr(&self.shared).cast::<()>() as usize && slot.index == self.next,
+            "ring {}: publish with a reservation of another ring or item",
+            self.shared.name
+        );
+        let cell = &self.shared.slots[(self.next % self.shared.slots.len() as u64) as usize];
+        // SAFETY: `slot` is this ring's reservation of item `next` (checked above; it cannot be
+        // made outside `reserve`), so `reserve` saw `freed >= next + 1 - depth`: the consumer
+        // released the item that used this slot before and will not read it until `filled`
+        // reaches `next + 1`, which happens below; we are the only producer.
+        unsafe { *cell.get() = Some(record) };
         self.next += 1;
         // Values only grow and this side is the only signaller of `filled` (below `MAX`).
         let _ = self.shared.filled.signal(self.next);
@@ -272,8 +304,8 @@ mod tests {
         let (mut tx, mut rx) = ring::<u64>("test", 2, Vec::new(), stop);
         let producer = std::thread::spawn(move || {
             for i in 0..100 {
-                tx.reserve().unwrap();
-                tx.publish(i);
+                let slot = tx.reserve().unwrap();
+                tx.publish(slot, i);
             }
             tx.close();
         });
@@ -291,8 +323,8 @@ mod tests {
         let stop = Arc::new(AtomicBool::new(false));
         let (mut tx, mut rx) = ring::<u8>("test", 1, Vec::new(), stop);
         assert!(tx.has_room());
-        tx.reserve().unwrap();
-        tx.publish(7);
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 7);
         assert!(!tx.has_room());
         assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(7));
         assert!(!tx.has_room(), "the slot is the consumer's until release");
@@ -304,8 +336,8 @@ mod tests {
     fn abandoning_wakes_a_waiting_producer_and_stop_wakes_a_waiting_consumer() {
         let stop = Arc::new(AtomicBool::new(false));
         let (mut tx, mut rx) = ring::<u8>("test", 1, Vec::new(), Arc::clone(&stop));
-        tx.reserve().unwrap();
-        tx.publish(1);
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 1);
         let waiter = std::thread::spawn(move || tx.reserve().map(|_| ()));
         std::thread::sleep(Duration::from_millis(20));
         rx.abandon();
@@ -323,8 +355,8 @@ mod tests {
         let stop = Arc::new(AtomicBool::new(false));
         let (mut tx, mut rx) = ring::<u8>("test", 3, Vec::new(), stop);
         for i in 0..3 {
-            tx.reserve().unwrap();
-            tx.publish(i);
+            let slot = tx.reserve().unwrap();
+            tx.publish(slot, i);
         }
         drop(tx);
         for i in 0..3 {
@@ -332,5 +364,18 @@ mod tests {
             rx.release();
         }
         assert_eq!(rx.receive().unwrap().map(|(v, _)| v), None);
+    }
+
+    /// A reservation is spent by its publish: a second one for the same item (reserved before
+    /// the first was published) is stale and refused, never written into a slot the consumer
+    /// may be reading.
+    #[test]
+    #[should_panic(expected = "reservation of another ring or item")]
+    fn a_stale_reservation_cannot_publish() {
+        let (mut tx, _rx) = ring::<u32>("r", 2, Vec::new(), Arc::new(AtomicBool::new(false)));
+        let first = tx.reserve().unwrap();
+        let second = tx.reserve().unwrap();
+        tx.publish(first, 1);
+        tx.publish(second, 2);
     }
 }

@@ -213,11 +213,13 @@ impl GpuContext {
                 .lock()
                 .map_err(|_| "a GPU submitter panicked")?;
             let value = *last + 1;
+            // Registered first, so the semaphore is not destroyed before the queue signals it.
+            self.completion.expect_device_signal(value);
             // SAFETY: the hal queue is only used to stage a semaphore signal for wgpu's next
             // submission (nothing is destroyed, nothing is submitted behind wgpu's back); the
-            // semaphore lives in `self.completion`, which outlives the submission because every
-            // Completion holds it. Every submitter of this queue holds `submissions` from
-            // staging to submitting, so the signal goes with this submission.
+            // semaphore lives in `self.completion`, whose drop waits for the value registered
+            // above. Every submitter of this queue holds `submissions` from staging to
+            // submitting, so the signal goes with this submission.
             let hal = unsafe { self.queue.as_hal::<wgpu::hal::api::Vulkan>() }
                 .ok_or("the GPU stages run on wgpu's Vulkan backend only")?;
             hal.add_signal_semaphore(self.completion.semaphore(), Some(value));
@@ -256,13 +258,20 @@ impl Imports {
         let at = match self.imported.iter().position(|(k, _)| *k == key) {
             Some(at) => at,
             None => {
-                let imported = import_wgpu_buffer(
-                    &gpu.device,
-                    &gpu.caps,
-                    Arc::clone(buffer),
-                    wgpu::BufferUsages::STORAGE,
-                    Some("ring slot"),
-                )?;
+                // SAFETY: a ring slot belongs to one stage at a time (the ring's invariant), and a
+                // GPU stage hands a slot on only once its device work on it is complete (the ISP
+                // waits for its submission; the encoder's output is read after its completion
+                // value, and its input released only after it), so no CPU guard of the slot is
+                // alive while the device uses it.
+                let imported = unsafe {
+                    import_wgpu_buffer(
+                        &gpu.device,
+                        &gpu.caps,
+                        Arc::clone(buffer),
+                        wgpu::BufferUsages::STORAGE,
+                        Some("ring slot"),
+                    )
+                }?;
                 self.imported.push((key, imported));
                 self.imported.len() - 1
             }
@@ -385,13 +394,18 @@ impl IspStage for GpuIsp {
             unreachable!("set above")
         };
         // The frame is a new buffer each time (the source's, or the driver's), imported as-is.
-        let input = import_wgpu_buffer(
-            &self.gpu.device,
-            &self.gpu.caps,
-            Arc::clone(&frame.buffer),
-            wgpu::BufferUsages::STORAGE,
-            Some("frame"),
-        )?;
+        // SAFETY: a source writes a frame (under its own guard, dropped) before delivering it,
+        // and nobody takes a CPU guard of a delivered frame while the ISP holds it; `process`
+        // waits for the device before it returns and lets the frame go.
+        let input = unsafe {
+            import_wgpu_buffer(
+                &self.gpu.device,
+                &self.gpu.caps,
+                Arc::clone(&frame.buffer),
+                wgpu::BufferUsages::STORAGE,
+                Some("frame"),
+            )
+        }?;
         let output = self.outputs.get(&self.gpu, out)?;
         let bind = self
             .gpu
@@ -529,7 +543,8 @@ impl EncoderStage for GpuEncoder {
         let output = self.outputs.get(&self.gpu, out)?.clone();
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
         self.encoder
-            .record(&self.gpu.device, &mut encoder, &input, &output);
+            .record(&self.gpu.device, &mut encoder, &input, &output)
+            .map_err(|e| e.to_string())?;
         self.gpu.submit_signalled(encoder.finish())
     }
 }

@@ -57,6 +57,10 @@ const _: () =
 /// Initial capacity cap for arrays, so a large-but-backed count grows the vector as elements
 /// actually parse rather than reserving it all up front.
 const PREALLOC_MAX: usize = 1 << 16;
+/// The most metadata array elements a file may hold in all: a one-byte element costs a 32-byte
+/// [`Value`] in memory, so without a cap a file of one large array could ask for 32x its size.
+/// Real vocabularies (tokens, scores, types, merges of 256k tokens) hold about 1M.
+pub const MAX_METADATA_ELEMENTS: u64 = 8 << 20;
 
 /// A metadata value type (`gguf_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -889,6 +893,9 @@ struct Cursor<'a> {
     path: &'a Path,
     bytes: &'a [u8],
     pos: usize,
+    /// Metadata array elements read so far (each costs a [`Value`] in memory, whatever its
+    /// size in the file), against [`MAX_METADATA_ELEMENTS`].
+    elements: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -1002,6 +1009,16 @@ impl<'a> Cursor<'a> {
                     ));
                 }
                 let count = self.count(elem.min_size(), &what)?;
+                self.elements = self.elements.saturating_add(count as u64);
+                if self.elements > MAX_METADATA_ELEMENTS {
+                    return Err(self.corrupt(
+                        what(),
+                        start,
+                        Corruption::TooManyElements {
+                            max: MAX_METADATA_ELEMENTS,
+                        },
+                    ));
+                }
                 let mut items = Vec::with_capacity(count.min(PREALLOC_MAX));
                 for _ in 0..count {
                     items.push(self.value(elem_id, key, depth + 1)?);
@@ -1022,6 +1039,7 @@ fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, LoadError> {
         path,
         bytes,
         pos: 0,
+        elements: 0,
     };
     let magic = c.take(4, &|| "the GGUF magic".into())?;
     if magic != MAGIC {
@@ -2138,10 +2156,9 @@ mod tests {
     /// `gguf.quants.dequantize(t.data, t.tensor_type)` (gguf 0.19, numpy f32) for the first
     /// eight weights of each tensor's row 1.
     #[test]
-    #[ignore = "needs the SmolLM2 GGUF: set SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf"]
+    #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m (or SMOLLM2_GGUF)"]
     fn smollm2_matches_gguf_py() {
-        let Ok(path) = std::env::var("SMOLLM2_GGUF") else {
-            eprintln!("skipped: SMOLLM2_GGUF is not set");
+        let Some(path) = crate::model::test_util::smollm2_gguf() else {
             return;
         };
         let file = GgufFile::open(Path::new(&path)).expect("open");

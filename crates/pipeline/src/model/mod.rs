@@ -248,6 +248,21 @@ pub enum LoadError {
         /// `out.len()`.
         found: usize,
     },
+    /// A side file of the model (config.json, tokenizer.json, a chat template) is larger than
+    /// any real one, so it is refused before it is read.
+    #[error(
+        "{path} is {size} bytes, over the {max}-byte limit for {what}; it is not a real {what}"
+    )]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// What the file should be.
+        what: &'static str,
+        /// Its size.
+        size: u64,
+        /// The limit.
+        max: u64,
+    },
     /// A JSON file (config.json, tokenizer_config.json) could not be parsed.
     #[error("{path}: {source}; the file is not a valid Hugging Face LLaMA config")]
     Json {
@@ -304,6 +319,11 @@ pub enum Corruption {
         /// The declared count.
         count: u64,
         /// The most that fits in the remaining bytes.
+        max: u64,
+    },
+    /// The metadata arrays hold more elements in all than any real model's.
+    TooManyElements {
+        /// The limit.
         max: u64,
     },
     /// A string is not UTF-8.
@@ -363,6 +383,11 @@ impl fmt::Display for Corruption {
                     "declares {count} entries or bytes but at most {max} fit in the rest of the file"
                 )
             }
+            Self::TooManyElements { max } => write!(
+                f,
+                "metadata arrays hold more than {max} elements in all (a 256k-token vocabulary \
+                 needs about 1M)"
+            ),
             Self::InvalidUtf8 => f.write_str("string is not valid UTF-8"),
             Self::UnknownValueType(t) => write!(f, "unknown metadata value type {t}"),
             Self::NestingTooDeep { max } => write!(f, "arrays nested more than {max} deep"),
@@ -636,14 +661,18 @@ impl ModelConfig {
 
     /// Canonical names and shapes of every tensor the decoder reads, in load order; the `bool` is
     /// `true` for required tensors (`output` is optional: absent means tied).
-    pub fn tensor_shapes(&self) -> Vec<(String, (usize, usize), bool)> {
+    ///
+    /// Lazy: a config from an untrusted file may declare billions of layers, and a checker that
+    /// stops at the first missing tensor then does work bounded by the tensors actually present,
+    /// never by the declared count.
+    pub fn tensor_shapes(&self) -> impl Iterator<Item = (String, (usize, usize), bool)> + '_ {
         let (h, q, kv, ff) = (
             self.hidden,
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
             self.intermediate,
         );
-        let mut names = vec![
+        let head = [
             ("token_embd".to_owned(), (self.vocab_size, h), true),
             ("output_norm".to_owned(), (1, h), true),
             (
@@ -652,26 +681,62 @@ impl ModelConfig {
                 !self.tied_embeddings,
             ),
         ];
-        for i in 0..self.layers {
-            let layer = [
-                ("attn_norm", (1, h)),
-                ("attn_q", (q, h)),
-                ("attn_k", (kv, h)),
-                ("attn_v", (kv, h)),
-                ("attn_output", (h, q)),
-                ("ffn_norm", (1, h)),
-                ("ffn_gate", (ff, h)),
-                ("ffn_up", (ff, h)),
-                ("ffn_down", (h, ff)),
-            ];
-            names.extend(
-                layer
-                    .into_iter()
-                    .map(|(n, s)| (format!("blk.{i}.{n}"), s, true)),
-            );
-        }
-        names
+        let layer = [
+            ("attn_norm", (1, h)),
+            ("attn_q", (q, h)),
+            ("attn_k", (kv, h)),
+            ("attn_v", (kv, h)),
+            ("attn_output", (h, q)),
+            ("ffn_norm", (1, h)),
+            ("ffn_gate", (ff, h)),
+            ("ffn_up", (ff, h)),
+            ("ffn_down", (h, ff)),
+        ];
+        head.into_iter().chain((0..self.layers).flat_map(move |i| {
+            layer
+                .into_iter()
+                .map(move |(n, s)| (format!("blk.{i}.{n}"), s, true))
+        }))
     }
+}
+
+/// The most bytes of a JSON config (config.json, tokenizer_config.json) read: real ones are a few
+/// KB, tens with an embedded chat template.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+/// The most bytes of a `tokenizer.json` read: a 256k-token vocabulary with merges is ~20 MB.
+pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
+/// The most bytes of a chat template read (`chat_template.jinja`): real ones are under 20 KB.
+pub const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
+
+/// Reads a text file of at most `max` bytes; a larger one is [`LoadError::TooLarge`] before any of
+/// it is read (and a file that grows while read is cut off at `max + 1` and refused the same way).
+pub(crate) fn read_text_capped(
+    path: &Path,
+    what: &'static str,
+    max: u64,
+) -> Result<String, LoadError> {
+    use std::io::Read;
+    let io = |source| LoadError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let size = file.metadata().map_err(io)?.len();
+    let too_large = |size| LoadError::TooLarge {
+        path: path.to_owned(),
+        what,
+        size,
+        max,
+    };
+    if size > max {
+        return Err(too_large(size));
+    }
+    let mut text = String::new();
+    file.take(max + 1).read_to_string(&mut text).map_err(io)?;
+    if text.len() as u64 > max {
+        return Err(too_large(text.len() as u64));
+    }
+    Ok(text)
 }
 
 fn check_token_id(field: &'static str, id: u32, vocab_size: usize) -> Result<(), LoadError> {
@@ -792,7 +857,7 @@ pub fn open_model(path: &Path) -> Result<LoadedModel, LoadError> {
     })
 }
 
-/// `mmap(fd, PROT_READ, MAP_PRIVATE)` of a whole file, read-only.
+/// `mmap(fd, PROT_READ, MAP_SHARED)` of a whole file, read-only (memmap2's `Mmap::map`).
 ///
 /// # Errors
 /// [`LoadError::Io`] when the file cannot be opened or mapped.
@@ -805,9 +870,10 @@ pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap, LoadError> {
     let file = File::open(path).map_err(io)?;
     // SAFETY: memmap2 requires that the mapped file is not modified for the lifetime of the map.
     // The file is opened read-only and its bytes are treated as untrusted input: every length,
-    // offset and value read through the map is bounds-checked, so any *content* is sound. What
-    // this process cannot rule out is another process truncating the file (later reads fault with
-    // SIGBUS) or rewriting it (the bytes change under a validated header). Model files are
+    // offset and value read through the map is bounds-checked, so any *content* is sound. The
+    // mapping is MAP_SHARED, so what this process cannot rule out is another process truncating
+    // the file (later reads fault with SIGBUS) or rewriting it in place (the new bytes show
+    // through the mapping, under a header already validated). Model files are
     // written once and then only read, so this is accepted as a documented limitation, as every
     // mmap-based model loader does.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
@@ -818,6 +884,34 @@ pub(crate) fn map_file(path: &Path) -> Result<memmap2::Mmap, LoadError> {
 #[cfg(test)]
 pub(crate) mod test_util {
     use std::path::PathBuf;
+
+    /// The real SmolLM2-135M GGUF: `$SMOLLM2_GGUF`, else where `cargo xtask fetch-model
+    /// smollm2-135m` puts it. Missing, the test skips with a note on stderr, except under CI,
+    /// where it fails: CI fetches the model, so a skip there would be a silent pass.
+    pub(crate) fn smollm2_gguf() -> Option<PathBuf> {
+        let path = std::env::var_os("SMOLLM2_GGUF").map_or_else(
+            || {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                    .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+            },
+            PathBuf::from,
+        );
+        if path.is_file() {
+            return Some(path);
+        }
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        assert!(
+            !ci,
+            "{} is missing: CI fetches it (cargo xtask fetch-model smollm2-135m) and must run \
+             this test",
+            path.display()
+        );
+        eprintln!(
+            "\nSKIPPED: {} is missing (cargo xtask fetch-model smollm2-135m)\n",
+            path.display()
+        );
+        None
+    }
 
     /// A fresh directory under the system temp dir, removed on drop.
     pub(crate) struct TempDir(pub(crate) PathBuf);
@@ -994,10 +1088,9 @@ mod tests {
 
     /// Opens the real SmolLM2 GGUF end to end.
     #[test]
-    #[ignore = "needs the SmolLM2 GGUF: set SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf"]
+    #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m (or SMOLLM2_GGUF)"]
     fn open_model_smollm2() {
-        let Ok(path) = std::env::var("SMOLLM2_GGUF") else {
-            eprintln!("skipped: SMOLLM2_GGUF is not set");
+        let Some(path) = crate::model::test_util::smollm2_gguf() else {
             return;
         };
         let model = open_model(Path::new(&path)).expect("open");

@@ -88,10 +88,7 @@ struct TokenizerConfigBos {
 
 /// Reads and parses a JSON file.
 pub(crate) fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, LoadError> {
-    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-        path: path.to_owned(),
-        source,
-    })?;
+    let text = super::read_text_capped(path, "JSON config", super::MAX_CONFIG_BYTES)?;
     serde_json::from_str(&text).map_err(|source| LoadError::Json {
         path: path.to_owned(),
         source,

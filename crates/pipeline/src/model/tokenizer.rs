@@ -390,7 +390,10 @@ impl Tokenizer {
             path: path.to_owned(),
             source,
         };
-        let inner = tokenizers::Tokenizer::from_file(path)
+        // Read with a cap first: the tokenizers crate would read a file of any size.
+        let json = super::read_text_capped(path, "tokenizer.json", super::MAX_TOKENIZER_BYTES)?;
+        let inner = json
+            .parse::<tokenizers::Tokenizer>()
             .map_err(|source| wrap(TokenizerError::Build { source }))?;
         let dir = path.parent().unwrap_or(Path::new("."));
         let config_path = dir.join("tokenizer_config.json");
@@ -413,12 +416,11 @@ impl Tokenizer {
         };
         let jinja = dir.join("chat_template.jinja");
         let chat_template = if jinja.is_file() {
-            Some(
-                std::fs::read_to_string(&jinja).map_err(|source| LoadError::Io {
-                    path: jinja,
-                    source,
-                })?,
-            )
+            Some(super::read_text_capped(
+                &jinja,
+                "chat template",
+                super::MAX_TEMPLATE_BYTES,
+            )?)
         } else {
             config.and_then(|c| c.chat_template).and_then(|t| match t {
                 ChatTemplate::One(t) => Some(t),
@@ -651,7 +653,22 @@ fn render_template(
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
         },
     );
+    // A template comes from the model file: it runs under a budget, so a looping or exploding
+    // one is an error, never a hang or an allocation without end.
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    if source.len() as u64 > super::MAX_TEMPLATE_BYTES {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "the chat template is {} bytes, over the {}-byte limit",
+                source.len(),
+                super::MAX_TEMPLATE_BYTES
+            ),
+        ));
+    }
     let template = env.template_from_str(source)?;
+    let input_bytes: usize = messages.iter().map(|(r, c)| r.len() + c.len()).sum();
+    let max_output = TEMPLATE_OUTPUT_BASE + 4 * input_bytes;
     let messages: Vec<Value> = messages
         .iter()
         .map(|&(role, content)| {
@@ -661,7 +678,56 @@ fn render_template(
             ]))
         })
         .collect();
-    template.render(context! { messages, add_generation_prompt, bos_token, eos_token })
+    let mut out = CappedWriter {
+        bytes: Vec::new(),
+        max: max_output,
+        overflowed: false,
+    };
+    let rendered = template.render_captured_to(
+        context! { messages, add_generation_prompt, bos_token, eos_token },
+        &mut out,
+    );
+    if out.overflowed {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("the chat template's output passed {max_output} bytes (a runaway template)"),
+        ));
+    }
+    rendered?;
+    String::from_utf8(out.bytes).map_err(|_| {
+        minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            "the chat template wrote invalid UTF-8",
+        )
+    })
+}
+
+/// Template instructions one rendering may run (minijinja's fuel): real chat templates use a few
+/// thousand per message; a loop without end runs out.
+const TEMPLATE_FUEL: u64 = 5_000_000;
+/// Bytes a rendering may write beyond four times its messages.
+const TEMPLATE_OUTPUT_BASE: usize = 64 << 10;
+
+/// A writer that refuses bytes past `max`, so a template's output is bounded.
+struct CappedWriter {
+    bytes: Vec<u8>,
+    max: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > self.max {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Byte-level BPE from GGUF vocabulary, merges and token types.
@@ -1187,6 +1253,27 @@ mod tests {
     /// SmolLM2-135M-Instruct's `tokenizer.chat_template`.
     const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+    /// Templates from model files run under a budget: a loop without end and an output that
+    /// doubles without end are errors that name the budget, quickly.
+    #[test]
+    fn runaway_templates_are_errors() {
+        let start = std::time::Instant::now();
+        let looping =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let e = render_template(looping, &[("user", "hi")], true, "", "").unwrap_err();
+        assert!(e.to_string().to_lowercase().contains("fuel"), "{e}");
+        let flooding = format!(
+            "{{% for i in range(90000) %}}{}{{% endfor %}}",
+            "x".repeat(50)
+        );
+        let e = render_template(&flooding, &[("user", "hi")], true, "", "").unwrap_err();
+        assert!(e.to_string().contains("passed"), "{e}");
+        let huge = "x".repeat((crate::model::MAX_TEMPLATE_BYTES + 1) as usize);
+        let e = render_template(&huge, &[("user", "hi")], true, "", "").unwrap_err();
+        assert!(e.to_string().contains("limit"), "{e}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(20));
+    }
+
     #[test]
     fn chat_templates_render_like_transformers() {
         let mut t = tiny();
@@ -1233,10 +1320,9 @@ mod tests {
 
     /// Checks the tokenizer built from the real SmolLM2 GGUF.
     #[test]
-    #[ignore = "needs the SmolLM2 GGUF: set SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf"]
+    #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m (or SMOLLM2_GGUF)"]
     fn smollm2_tokenizer() {
-        let Ok(path) = std::env::var("SMOLLM2_GGUF") else {
-            eprintln!("skipped: SMOLLM2_GGUF is not set");
+        let Some(path) = crate::model::test_util::smollm2_gguf() else {
             return;
         };
         let file = GgufFile::open(Path::new(&path)).expect("open");

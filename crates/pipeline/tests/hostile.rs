@@ -1,0 +1,278 @@
+//! Hostile inputs, tried as a user would: small files that declare absurd sizes or loop, given to
+//! the `pipeline` binary. Each must end in a named error within 20 s under a 2 GiB address-space
+//! limit: never a signal (an abort, a crash), a hang or an allocation that the limit stops.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// The address-space limit each run gets (`ulimit -v`, KiB).
+const ADDRESS_SPACE_KIB: u64 = 2 << 20;
+const TIME_LIMIT: Duration = Duration::from_secs(20);
+
+fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(rel)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Runs `pipeline ARGS` under the limits; returns stderr after checking it failed with an exit
+/// code (not a signal) in time, and that stderr names the problem (`expect`, any of them).
+fn refuses(args: &[&str], expect: &[&str]) -> String {
+    let start = Instant::now();
+    let mut quoted = String::new();
+    for a in args {
+        quoted.push_str(&format!(" '{}'", a.replace('\'', r"'\''")));
+    }
+    let script = format!(
+        "ulimit -v {ADDRESS_SPACE_KIB}; exec timeout -s KILL {} '{}'{quoted}",
+        TIME_LIMIT.as_secs(),
+        env!("CARGO_BIN_EXE_pipeline")
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    let elapsed = start.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        elapsed < TIME_LIMIT,
+        "{args:?} ran {elapsed:?} (past the {TIME_LIMIT:?} limit): {stderr}"
+    );
+    let code = out.status.code();
+    assert!(
+        code.is_some_and(|c| c != 0 && c != 137 && c != 124),
+        "{args:?} ended with {:?} (a signal, a kill or success), not a named error: {stderr}",
+        out.status
+    );
+    assert!(
+        !stderr.contains("memory allocation of") && !stderr.contains("panicked"),
+        "{args:?} aborted or panicked: {stderr}"
+    );
+    assert!(
+        expect.iter().any(|e| stderr.contains(e)),
+        "{args:?}: stderr names none of {expect:?}: {stderr}"
+    );
+    stderr
+}
+
+/// The tiny SmolVLM checkpoint (its text model) with its tokenizer, as a model directory.
+fn tiny_model_with_tokenizer() -> PathBuf {
+    let dir = scratch("tiny-with-tokenizer");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (from, name) in [
+        ("tiny-smolvlm/hf/config.json", "config.json"),
+        ("tiny-smolvlm/hf/model.safetensors", "model.safetensors"),
+        ("tiny-smolvlm/tokenizer/tokenizer.json", "tokenizer.json"),
+        (
+            "tiny-smolvlm/tokenizer/tokenizer_config.json",
+            "tokenizer_config.json",
+        ),
+    ] {
+        let to = dir.join(name);
+        if !to.exists() {
+            std::os::unix::fs::symlink(fixture(from).canonicalize().unwrap(), &to).unwrap();
+        }
+    }
+    dir
+}
+
+/// The tiny GGUF with `llama.block_count` rewritten to `value`.
+fn gguf_with_block_count(value: u32) -> PathBuf {
+    let mut bytes = std::fs::read(fixture("tiny-llama/tiny.gguf")).unwrap();
+    let key = b"llama.block_count";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("the fixture names its block count")
+        + key.len();
+    assert_eq!(&bytes[at..at + 4], &4u32.to_le_bytes(), "a u32 value");
+    bytes[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
+    let path = scratch(&format!("blocks-{value:x}.gguf"));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn a_gguf_declaring_four_billion_layers_is_a_named_error() {
+    let path = gguf_with_block_count(u32::MAX);
+    refuses(
+        &[
+            "generate",
+            "--model",
+            path.to_str().unwrap(),
+            "--cache-dir",
+            scratch("cache").to_str().unwrap(),
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "1",
+        ],
+        &["blk.2", "missing", "tensor"],
+    );
+}
+
+#[test]
+fn a_gguf_whose_array_outgrows_the_file_is_a_named_error() {
+    // A header, one metadata entry: an array of u8 declaring 2^40 elements.
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend(3u32.to_le_bytes());
+    bytes.extend(0u64.to_le_bytes()); // tensors
+    bytes.extend(1u64.to_le_bytes()); // metadata entries
+    let key = b"tokenizer.ggml.token_type";
+    bytes.extend((key.len() as u64).to_le_bytes());
+    bytes.extend(key);
+    bytes.extend(9u32.to_le_bytes()); // array
+    bytes.extend(0u32.to_le_bytes()); // of u8
+    bytes.extend((1u64 << 40).to_le_bytes());
+    bytes.extend(vec![1u8; 1 << 20]);
+    let path = scratch("huge-array.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    refuses(
+        &[
+            "generate",
+            "--model",
+            path.to_str().unwrap(),
+            "--prompt",
+            "x",
+        ],
+        &["fit in the rest of the file"],
+    );
+}
+
+#[test]
+fn a_json_schema_of_nested_arrays_is_a_named_error() {
+    let mut schema = serde_json::json!({"type": "integer"});
+    for _ in 0..24 {
+        schema = serde_json::json!({"type": "array", "items": schema});
+    }
+    let path = scratch("nested.schema.json");
+    std::fs::write(&path, schema.to_string()).unwrap();
+    let model = tiny_model_with_tokenizer();
+    refuses(
+        &[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--cache-dir",
+            scratch("cache").to_str().unwrap(),
+            "--prompt",
+            "x",
+            "--json-schema",
+            path.to_str().unwrap(),
+        ],
+        &["regular expression passes"],
+    );
+}
+
+#[test]
+fn a_y4m_header_declaring_a_huge_frame_is_a_named_error() {
+    let path = scratch("huge.y4m");
+    std::fs::write(
+        &path,
+        b"YUV4MPEG2 W100000 H100000 F30:1 C420jpeg\nFRAME\n\x10\x10",
+    )
+    .unwrap();
+    refuses(
+        &[
+            "isp",
+            "--source",
+            &format!("file:{}", path.display()),
+            "--out",
+            scratch("huge.png").to_str().unwrap(),
+        ],
+        &["larger than the 256 MiB limit"],
+    );
+}
+
+#[test]
+fn a_png_header_declaring_a_huge_image_is_a_named_error() {
+    // A PNG signature and an IHDR chunk claiming 100000x100000 RGB8, then nothing.
+    let mut ihdr = b"IHDR".to_vec();
+    ihdr.extend(100_000u32.to_be_bytes());
+    ihdr.extend(100_000u32.to_be_bytes());
+    ihdr.extend([8, 2, 0, 0, 0]);
+    let crc = crc32(&ihdr);
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    png.extend(13u32.to_be_bytes());
+    png.extend(&ihdr);
+    png.extend(crc.to_be_bytes());
+    let path = scratch("huge.png");
+    std::fs::write(&path, png).unwrap();
+    refuses(
+        &[
+            "isp",
+            "--source",
+            &format!("file:{}", path.display()),
+            "--out",
+            scratch("huge-out.png").to_str().unwrap(),
+        ],
+        &["larger than", "limit"],
+    );
+}
+
+#[test]
+fn an_oversized_config_json_is_a_named_error() {
+    let dir = scratch("big-config");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config = b"{\"pad\": \"".to_vec();
+    config.extend(vec![b'x'; 17 << 20]);
+    config.extend(b"\"}");
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    refuses(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "x",
+        ],
+        &["over the", "limit"],
+    );
+}
+
+#[test]
+fn an_npy_declaring_a_huge_shape_is_a_named_error() {
+    let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000, 3, 64, 64), }";
+    let mut npy = b"\x93NUMPY\x01\x00".to_vec();
+    let padded = format!("{header:<118}\n");
+    npy.extend((padded.len() as u16).to_le_bytes());
+    npy.extend(padded.as_bytes());
+    npy.extend(vec![0u8; 3 * 64 * 64 * 4]);
+    let path = scratch("huge.npy");
+    std::fs::write(&path, npy).unwrap();
+    let vlm = fixture("tiny-smolvlm/hf");
+    refuses(
+        &[
+            "encode",
+            "--vlm",
+            vlm.to_str().unwrap(),
+            "--pixels",
+            path.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "--out",
+            scratch("out.npy").to_str().unwrap(),
+        ],
+        &["shape", "the tower takes"],
+    );
+}
+
+/// CRC-32 (ISO-HDLC), as PNG chunks carry it.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
