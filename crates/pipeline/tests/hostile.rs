@@ -276,3 +276,27 @@ fn crc32(bytes: &[u8]) -> u32 {
     }
     !crc
 }
+
+/// Found by `cargo xtask fuzz` (target `npy`): a 150-byte version-3 .npy whose header length
+/// field asks for 3 GB, and 300 bytes of nested brackets that kept npyz's header parser busy
+/// past the 20 s limit. Both are refused from their headers, at once.
+#[test]
+fn fuzz_found_npy_headers_are_named_errors() {
+    let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/npy");
+    for (file, expect) in [
+        ("regression-huge-header.npy", "header claims"),
+        ("regression-nested-brackets.npy", "header"),
+    ] {
+        let bytes = std::fs::read(seeds.join(file)).unwrap();
+        let start = Instant::now();
+        let err = pipeline::vision::parse_pixels_npy(&bytes, 16).unwrap_err();
+        assert!(err.contains(expect), "{file}: {err}");
+        assert!(start.elapsed() < Duration::from_secs(1), "{file}");
+    }
+    // The layout numpy writes still reads.
+    let good = std::fs::read(seeds.join("pixels.npy")).unwrap();
+    assert_eq!(
+        pipeline::vision::parse_pixels_npy(&good, 16).unwrap().len(),
+        768
+    );
+}

@@ -630,6 +630,29 @@ fn chatml(messages: &[(&str, &str)], add_generation_prompt: bool) -> String {
     out
 }
 
+/// Renders a chat template as [`Tokenizer::apply_chat_template`] does (Jinja with trim_blocks
+/// and lstrip_blocks, `raise_exception`, Python string methods), under its budget: the template
+/// source at most [`super::MAX_TEMPLATE_BYTES`], minijinja's fuel, and an output cap. Public so
+/// templates can be tried (and fuzzed) without a tokenizer.
+///
+/// # Errors
+/// minijinja's error: a syntax error, a raised exception, or a budget run out.
+pub fn render_chat_template(
+    source: &str,
+    messages: &[(&str, &str)],
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, minijinja::Error> {
+    render_template(
+        source,
+        messages,
+        add_generation_prompt,
+        bos_token,
+        eos_token,
+    )
+}
+
 fn render_template(
     source: &str,
     messages: &[(&str, &str)],

@@ -1,0 +1,8 @@
+//! A `.npy` of the vision tower's input from untrusted bytes (a 16x16 tower).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let _ = pipeline::vision::parse_pixels_npy(data, 16);
+});
