@@ -728,30 +728,28 @@ mod isp {
 }
 
 mod grammar {
-    //! pipeline's grammar-constrained sampling: one mask step (every token of the vocabulary
-    //! checked against the grammar's DFA, disallowed logits set to -inf) at points of a JSON
-    //! document, one thread, and compiling a JSON schema. The vocabulary is SmolLM2's 49,152
-    //! tokens when the GGUF is at `$SMOLLM2_GGUF` or `models/SmolLM2-135M-Instruct.Q4_1.gguf`,
-    //! else a synthetic one of the same size (ids say which).
+    //! Grammar-constrained sampling: one mask step (every token of the vocabulary checked, the
+    //! disallowed logits set to -inf) at points of a JSON document, one thread, and compiling
+    //! the JSON schema, for pipeline's engine (llguidance) and, in the same run, the previous
+    //! engine it replaced (a byte DFA over a token trie, `benches::dfa_grammar`), the peer. The
+    //! vocabulary is SmolLM2's 49,152 tokens when the GGUF is at `$SMOLLM2_GGUF` or
+    //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`, else a synthetic one of the same size (ids say
+    //! which).
     //!
     //! Target: a mask step well under 1 ms on one core, a small share of a 135M model's decode
-    //! step. Structural points (after `{`, a key) prune the token trie at the first byte and
-    //! cost microseconds; inside a string nearly every token is allowed and the whole trie is
-    //! walked, which is the worst case. Measured on the 2-core dev VM (SmolLM2, medians):
-    //! 2.9 µs at the start, 4.4 µs after a key, 152 µs inside a string; 3.4 ms to compile the
-    //! schema.
+    //! step (3.7 ms on this machine). Figures and the command are in the README.
 
     use std::hint::black_box;
     use std::path::PathBuf;
     use std::time::Duration;
 
     use criterion::{BenchmarkId, Criterion, Throughput};
-    use pipeline::grammar::{Grammar, TokenVocab};
 
     const VOCAB: usize = 49_152;
 
-    /// SmolLM2's vocabulary if its GGUF is here, else a synthetic one of the same size.
-    fn vocab() -> (&'static str, TokenVocab) {
+    /// SmolLM2's token bytes and stop ids if its GGUF is here, else a synthetic vocabulary of
+    /// the same size.
+    fn tokens() -> (&'static str, Vec<Option<Vec<u8>>>, Vec<u32>) {
         let path = std::env::var_os("SMOLLM2_GGUF").map_or_else(
             || {
                 PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -762,15 +760,18 @@ mod grammar {
         if path.is_file() {
             let file = pipeline::model::gguf::GgufFile::open(&path).unwrap();
             let tokenizer = pipeline::model::tokenizer::Tokenizer::from_gguf(&file).unwrap();
-            return ("smollm2", TokenVocab::from_tokenizer(&tokenizer).unwrap());
+            let tokens = (0..tokenizer.vocab_size() as u32)
+                .map(|id| tokenizer.token_bytes(id))
+                .collect();
+            return ("smollm2", tokens, tokenizer.stop_ids().to_vec());
         }
         eprintln!("grammar benches: no SmolLM2 GGUF, using a synthetic vocabulary");
-        ("synthetic", synthetic_vocab())
+        ("synthetic", synthetic_tokens(), vec![0])
     }
 
     /// Two specials, the 256 bytes, then words of 2..=12 letters, digits and punctuation, about
     /// half with a leading space, as in a byte-level BPE vocabulary.
-    fn synthetic_vocab() -> TokenVocab {
+    fn synthetic_tokens() -> Vec<Option<Vec<u8>>> {
         const CHARS: &[u8] = b"etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLU0123456789.,:;\"'-_(){}[]";
         let mut tokens: Vec<Option<Vec<u8>>> = vec![None, None];
         tokens.extend((0..=255u8).map(|b| Some(vec![b])));
@@ -792,11 +793,18 @@ mod grammar {
                 tokens.push(Some(word));
             }
         }
-        TokenVocab::new(tokens, &[0])
+        tokens
     }
 
+    /// The points of the document the mask is measured at: the text generated so far.
+    const POINTS: [(&str, &str); 3] = [
+        ("json-start", ""),
+        ("json-after-key", "{\"name\""),
+        ("json-in-string", "{\"name\": \"Ada Lov"),
+    ];
+
     pub(crate) fn bench(c: &mut Criterion) {
-        let (source, vocab) = vocab();
+        let (source, tokens, eos) = tokens();
         let schema = serde_json::json!({
             "type": "object",
             "properties": {
@@ -806,33 +814,62 @@ mod grammar {
             },
             "required": ["name", "age"]
         });
-        let json = Grammar::json_schema(&schema, &vocab).unwrap();
+        let llg_vocab = pipeline::grammar::TokenVocab::new(tokens.clone(), &eos);
+        let dfa_vocab = benches::dfa_grammar::TokenVocab::new(tokens, &eos);
+        let llg = pipeline::grammar::Grammar::json_schema(&schema, &llg_vocab).unwrap();
+        let dfa = benches::dfa_grammar::Grammar::json_schema(&schema, &dfa_vocab).unwrap();
         let mut group = c.benchmark_group("grammar_mask");
         group
             .sample_size(50)
             .measurement_time(Duration::from_secs(2))
-            .throughput(Throughput::Elements(vocab.len() as u64));
-        let mut logits = vec![0f32; vocab.len()];
-        for (point, text) in [
-            ("json-start", ""),
-            ("json-after-key", "{\"name\""),
-            ("json-in-string", "{\"name\": \"Ada Lov"),
-        ] {
-            let state = json
-                .advance_bytes(json.start(), text.as_bytes())
+            .throughput(Throughput::Elements(llg_vocab.len() as u64));
+        let mut logits = vec![0f32; llg_vocab.len()];
+        for (point, text) in POINTS {
+            // The text spelled with the vocabulary's tokens, as a model would have generated it.
+            let mut state = llg.start();
+            llg.advance_text(&mut state, text.as_bytes()).unwrap();
+            let state = state;
+            group.bench_function(
+                BenchmarkId::new(format!("llguidance/{source}"), point),
+                // A fresh copy of the state per step (made outside the timing): a parser may
+                // keep the mask it computed for its state, and the bench must not time that.
+                |b| {
+                    b.iter_batched(
+                        || state.clone(),
+                        |mut s| llg.mask(black_box(&mut s), &mut logits).unwrap(),
+                        criterion::BatchSize::SmallInput,
+                    )
+                },
+            );
+            let dfa_state = dfa
+                .advance_bytes(dfa.start(), text.as_bytes())
                 .unwrap()
                 .unwrap();
-            group.bench_function(BenchmarkId::new(source, point), |b| {
-                b.iter(|| json.mask(black_box(state), &mut logits).unwrap())
+            group.bench_function(BenchmarkId::new(format!("dfa-peer/{source}"), point), |b| {
+                b.iter(|| dfa.mask(black_box(dfa_state), &mut logits).unwrap())
             });
         }
         group.finish();
 
         let mut group = c.benchmark_group("grammar_build");
-        group.sample_size(20);
-        group.bench_function(BenchmarkId::new(source, "json-schema"), |b| {
-            b.iter(|| Grammar::json_schema(black_box(&schema), &vocab).unwrap())
-        });
+        group.sample_size(10);
+        group.bench_function(
+            BenchmarkId::new(format!("llguidance/{source}"), "json-schema"),
+            |b| {
+                b.iter(|| {
+                    pipeline::grammar::Grammar::json_schema(black_box(&schema), &llg_vocab).unwrap()
+                })
+            },
+        );
+        group.bench_function(
+            BenchmarkId::new(format!("dfa-peer/{source}"), "json-schema"),
+            |b| {
+                b.iter(|| {
+                    benches::dfa_grammar::Grammar::json_schema(black_box(&schema), &dfa_vocab)
+                        .unwrap()
+                })
+            },
+        );
         group.finish();
     }
 }

@@ -7,6 +7,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod dfa_grammar;
+
 use std::hint::black_box;
 
 /// Bytes in the buffer the bandwidth benches stream: 4x a 32 MiB L3, so reads come from DRAM.

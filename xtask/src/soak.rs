@@ -72,7 +72,10 @@ pub(crate) fn run(root: &Path, minutes: f64) -> Result<(), Box<dyn std::error::E
     let counter = Arc::clone(&described);
     let stdout = child.stdout.take().expect("piped");
     std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
             if line.starts_with("[frame ") {
                 counter.fetch_add(1, Ordering::Relaxed);
             }
@@ -81,7 +84,10 @@ pub(crate) fn run(root: &Path, minutes: f64) -> Result<(), Box<dyn std::error::E
     let stderr = child.stderr.take().expect("piped");
     let err_thread = std::thread::spawn(move || {
         let mut text = String::new();
-        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
             text.push_str(&line);
             text.push('\n');
         }
@@ -240,10 +246,24 @@ mod tests {
     fn growth_is_measured_after_the_warm_up() {
         let s = |rss: u64, fds: u64| json!({"rss_kib": rss, "fds": fds});
         // A big warm-up, then flat: flat.
-        let flat = [s(10, 5), s(100, 9), s(100, 9), s(101, 9), s(102, 9), s(101, 9)];
+        let flat = [
+            s(10, 5),
+            s(100, 9),
+            s(100, 9),
+            s(101, 9),
+            s(102, 9),
+            s(101, 9),
+        ];
         assert!(flatness(&flat).flat);
         // Steady growth after the warm-up: not flat.
-        let leak = [s(100, 9), s(100, 9), s(104, 9), s(108, 9), s(112, 9), s(116, 10)];
+        let leak = [
+            s(100, 9),
+            s(100, 9),
+            s(104, 9),
+            s(108, 9),
+            s(112, 9),
+            s(116, 10),
+        ];
         let v = flatness(&leak);
         assert!(!v.flat && v.rss_growth > 0.1, "{}", v.rss_growth);
     }

@@ -114,6 +114,7 @@ schema = {"type": "object", "properties": {"a": {"type": "integer"},
           "required": ["a"]}
 out("grammar", "schema.json", b"\x00" + json.dumps(schema).encode())
 out("grammar", "regex.txt", b"\x01" + b"(yes|no), [0-9]{2}")
+out("grammar", "answer.lark", b"\x02" + b'start: answer ", " count\nanswer: "yes" | "no"\ncount: /[0-9]+/\n')
 out("grammar", "nested.json", b"\x00" + json.dumps(
     {"type": "array", "items": {"type": "array", "items": {"type": "boolean"}}}).encode())
 

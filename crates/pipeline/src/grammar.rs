@@ -1,127 +1,68 @@
-//! Grammar-constrained sampling: a regular expression or a JSON schema restricts which tokens
-//! the sampler may pick, so the generated text is guaranteed to match it.
+//! Grammar-constrained sampling on llguidance, the engine llama.cpp and vLLM use: a regular
+//! expression, a JSON schema or a Lark grammar restricts which tokens the sampler may pick, so
+//! the generated text is guaranteed to match it.
 //!
-//! Use: build a [`TokenVocab`] once per tokenizer ([`TokenVocab::from_tokenizer`]), a
-//! [`Grammar`] per request ([`Grammar::regex`], [`Grammar::json_schema`]), then per generated
-//! token call [`Grammar::mask`] on the logits before sampling, [`Grammar::advance`] with the
-//! sampled id after it, and stop when an end-of-generation id was sampled or
-//! [`Grammar::is_exhausted`] says nothing can follow.
+//! Use: build a [`TokenVocab`] once per tokenizer ([`TokenVocab::from_tokenizer`]; it holds the
+//! token trie and llguidance's parser factory), a [`Grammar`] per request ([`Grammar::regex`],
+//! [`Grammar::json_schema`], [`Grammar::lark`]), a [`GrammarState`] per sequence
+//! ([`Grammar::start`]), then per generated token call [`Grammar::mask`] on the logits before
+//! sampling and [`Grammar::advance`] with the sampled id after it; stop when an
+//! end-of-generation id was sampled or [`Grammar::is_exhausted`] says nothing can follow.
 //!
-//! # Design
-//! - The pattern is compiled by regex-automata to a dense DFA over bytes, anchored at the start,
-//!   with `MatchKind::All` so that no alternative is dropped after an earlier one matched (`a|ab`
-//!   must still allow `b` after `a`). Its states reachable from the start are then copied into a
-//!   table of our own, and every state from which no accepting state can be reached is merged
-//!   into the dead state. So "not dead" means exactly "still a prefix of some match": the raw
-//!   DFA reports a match one byte late and keeps states that can no longer match.
-//! - Tokens are the bytes they stand for ([`crate::model::tokenizer::Tokenizer::token_bytes`]),
-//!   sorted once into a byte trie laid out in preorder. A mask step walks that array from the
-//!   current state, skipping a whole subtree at the first byte that dies, so it costs one table
-//!   lookup per trie node whose prefix is still alive: a few hundred at structural JSON
-//!   positions, all of the trie (100,297 nodes for SmolLM2's 49,152 tokens) only where nearly
-//!   any text is allowed, such as inside a JSON string. The step is branch-free but for the
-//!   dead check (each node holds its token id, inner nodes a spare bit past the ids); on one
-//!   core that is about 3-5 µs at structural points and 150 µs inside a string
-//!   (`cargo bench -p benches -- grammar`).
-//! - A JSON schema becomes a regular expression the way outlines and llama.cpp build one:
-//!   properties in declared order (serde_json's `preserve_order` is enabled for this), optional
-//!   properties may be left out, whitespace between tokens is bounded (llama.cpp's `space` rule by
-//!   default) and numbers have at most 16 digits per part, so a small model cannot loop forever
-//!   on spaces or digits. Anything that would make the language non-regular or that is not
-//!   implemented is refused with the keyword named, never approximated.
+//! # Coverage
+//! - JSON schema as llguidance implements it: `$ref` and `$defs`, `oneOf`/`anyOf`/`allOf`,
+//!   `pattern`, `format`, numeric bounds (`minimum`, `exclusiveMaximum`, ...), string and array
+//!   lengths, `additionalProperties` (schemas too), `enum`, `const`. Separators are fixed
+//!   (`", "`, `": "`) with no free whitespace, so a small model cannot pad a reply forever.
+//! - Regular expressions (llguidance's syntax, the regex crate's in practice), matched by the
+//!   whole reply.
+//! - Lark grammars (llguidance's dialect: rules, terminals, `%json` embedded schemas, ...).
 //!
 //! # Invariants
-//! - A token is allowed in state `s` iff walking its bytes from `s` never reaches the dead state;
-//!   an end-of-generation id iff `s` is accepting. Special tokens (no bytes), empty tokens and ids
-//!   outside the vocabulary are never allowed.
-//! - Every state but the dead one can still reach acceptance, so text built from allowed tokens
-//!   can always be completed, unless the vocabulary cannot spell any continuation, which
-//!   [`Grammar::mask`] reports as [`GrammarError::NoTokenAllowed`].
-//! - Patterns and schemas are untrusted input: the DFA size and schema nesting are bounded and
-//!   every failure is a [`GrammarError`], never a panic.
+//! - Grammars are untrusted input: their text is capped at [`MAX_GRAMMAR_BYTES`] and llguidance
+//!   runs under its parser limits (grammar size, lexer states, per-step fuel), so a hostile
+//!   schema or grammar is a [`GrammarError`], never an unbounded allocation, a hang or a panic
+//!   (llguidance turns its own panics into errors).
+//! - A token is allowed iff llguidance's mask allows it; every end-of-generation id of the
+//!   vocabulary is allowed exactly when the text so far is complete. Special tokens with no
+//!   bytes are never allowed otherwise.
+//! - [`Grammar::advance`] refuses a token the mask did not allow, so a state always holds text
+//!   the grammar can still complete.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use regex_automata::dfa::{Automaton, StartKind, dense};
-use regex_automata::nfa::thompson;
-use regex_automata::util::primitives::StateID;
-use regex_automata::util::{start, syntax};
-use regex_automata::{Anchored, MatchKind};
+use llguidance::api::TopLevelGrammar;
+use llguidance::earley::SlicedBiasComputer;
+use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
 use crate::model::tokenizer::Tokenizer;
 
-/// Deepest nesting of a JSON schema (objects, arrays, anyOf) that is converted.
-pub const MAX_SCHEMA_DEPTH: usize = 32;
+/// The longest grammar text (a pattern, a schema, a Lark file) accepted.
+pub const MAX_GRAMMAR_BYTES: usize = 1 << 20;
 
-/// Longest token, in bytes, that a grammar can allow; longer ones (none in real vocabularies)
-/// are never allowed.
-const MAX_TOKEN_BYTES: usize = u16::MAX as usize;
-
-/// Row of the dead state: every transition of it leads back to it.
-const DEAD: u32 = 0;
-
-const FLAG_ACCEPT: u8 = 1;
-const FLAG_EXHAUSTED: u8 = 2;
-
-/// What can go wrong while building or using a grammar.
+/// Why a grammar could not be built or followed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum GrammarError {
-    /// The pattern does not parse, or needs something a DFA cannot do (Unicode word boundaries).
-    #[error("the regular expression {pattern:?} does not compile to a byte DFA: {source}")]
-    Regex {
-        /// The pattern.
-        pattern: String,
-        /// regex-automata's error.
-        #[source]
-        source: Box<dense::BuildError>,
+    /// The regular expression, schema or Lark grammar does not compile (or is over
+    /// llguidance's limits).
+    #[error("the {kind} does not compile: {message}")]
+    Invalid {
+        /// `regular expression`, `JSON schema` or `Lark grammar`.
+        kind: &'static str,
+        /// llguidance's message.
+        message: String,
     },
-    /// The DFA would exceed the size limit.
-    #[error(
-        "the grammar's DFA needs more than {max} bytes; bound fewer repetitions (maxLength, \
-         maxItems, `{{n,m}}`) or raise GrammarOptions::max_dfa_bytes"
-    )]
+    /// The grammar's text is longer than [`MAX_GRAMMAR_BYTES`].
+    #[error("the {kind} is {bytes} bytes, over the {MAX_GRAMMAR_BYTES}-byte limit")]
     TooLarge {
-        /// The limit, [`GrammarOptions::max_dfa_bytes`].
-        max: usize,
-    },
-    /// The DFA cannot start or step here (a look-behind it was not built for).
-    #[error("the regular expression {pattern:?} cannot be followed byte by byte: {what}")]
-    Unsupported {
-        /// The pattern.
-        pattern: String,
-        /// What failed.
-        what: String,
-    },
-    /// The pattern matches no text at all.
-    #[error("the regular expression {pattern:?} matches no text, so nothing could be generated")]
-    EmptyLanguage {
-        /// The pattern.
-        pattern: String,
-    },
-    /// A JSON schema keyword (or form) that is not converted.
-    #[error(
-        "JSON schema: `{keyword}` at {path} is not supported; supported are type (object, \
-         string, integer, number, boolean, null, array, or a list of them), properties, \
-         required, additionalProperties (true/false), items, minItems, maxItems, minLength, \
-         maxLength, enum, const, anyOf and annotations (title, description, default, ...)"
-    )]
-    UnsupportedSchema {
-        /// The keyword, or a description of the unsupported form.
-        keyword: String,
-        /// JSON pointer of the schema that has it (`#/properties/name`).
-        path: String,
-    },
-    /// A JSON schema that is malformed or cannot be satisfied.
-    #[error("JSON schema at {path}: {reason}")]
-    InvalidSchema {
-        /// JSON pointer of the offending schema.
-        path: String,
-        /// What is wrong.
-        reason: String,
+        /// What the text is.
+        kind: &'static str,
+        /// Its length.
+        bytes: usize,
     },
     /// The sampled token cannot continue the text here.
     #[error(
@@ -152,12 +93,9 @@ pub enum GrammarError {
         /// Whether the text so far already matches (only an end-of-generation id was missing).
         accepting: bool,
     },
-    /// A [`GrammarState`] of another grammar.
-    #[error(
-        "the grammar state does not belong to this grammar; use states from this grammar's \
-         start() and advance()"
-    )]
-    ForeignState,
+    /// llguidance failed while following the grammar (a limit reached mid-way, say).
+    #[error("the grammar engine failed: {0}")]
+    Engine(String),
     /// The tokenizer spells no token as bytes.
     #[error(
         "the tokenizer spells no token as bytes (its decoder is neither byte-level BPE nor \
@@ -166,114 +104,37 @@ pub enum GrammarError {
     NoTokenBytes,
 }
 
-/// How much whitespace a JSON schema grammar allows between tokens (after `{`, `[`, `,`, `:`
-/// and before `}`, `]`, `,`, `:`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Whitespace {
-    /// llama.cpp's `space` rule: nothing, one space, or one or two newlines and up to 20 spaces
-    /// or tabs of indentation, so pretty-printed JSON can be written but not padded forever.
-    #[default]
-    Bounded,
-    /// outlines' default, `[ ]?`: at most one space, no newlines.
-    Compact,
-    /// No whitespace at all.
-    None,
-}
-
-impl Whitespace {
-    fn pattern(self) -> &'static str {
-        match self {
-            Self::Bounded => r"(?:[ ]?|\n{1,2}[ \t]{0,20})",
-            Self::Compact => "[ ]?",
-            Self::None => "",
-        }
-    }
-}
-
-/// How a grammar is built; `..Default::default()` for the rest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GrammarOptions {
-    /// Most bytes the DFA may take, while being built and once built (64 MiB by default).
-    pub max_dfa_bytes: usize,
-    /// Whitespace a JSON schema grammar allows between tokens.
-    pub whitespace: Whitespace,
-}
-
-impl Default for GrammarOptions {
-    fn default() -> Self {
-        Self {
-            max_dfa_bytes: 64 << 20,
-            whitespace: Whitespace::default(),
-        }
-    }
-}
-
-/// The bytes of every token id, which ids end generation, and the byte trie a mask step walks.
+/// The bytes of every token id, which ids end generation, and llguidance's token trie and
+/// parser factory over them.
 ///
 /// Cheap to clone (shared); build it once per tokenizer and pass it to every grammar.
 #[derive(Clone)]
 pub struct TokenVocab {
-    index: Arc<VocabIndex>,
+    inner: Arc<VocabInner>,
 }
 
-struct VocabIndex {
-    /// Token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
-    bytes: Vec<u8>,
-    offsets: Vec<usize>,
-    /// Whether a token has bytes at all (a special token has none, which differs from empty).
-    has_bytes: Vec<bool>,
+struct VocabInner {
+    tokens: Vec<Option<Vec<u8>>>,
     /// End-of-generation ids, sorted, all within the vocabulary.
     eos: Vec<u32>,
-    /// The trie of every token with bytes (end-of-generation ids excluded), in preorder.
-    nodes: Vec<Node>,
-    /// Further ids of a byte string that several ids share, as (node, id), by node.
-    extra_tokens: Vec<(u32, u32)>,
-    /// Longest token in bytes, the depth of the trie.
-    max_depth: usize,
-}
-
-/// One trie node: the byte on the edge into it, the token that ends here and where its subtree
-/// ends.
-#[derive(Debug, Clone, Copy)]
-struct Node {
-    /// Index of the first node after this node's subtree.
-    end: u32,
-    /// The id that ends here or, for an inner node, the vocabulary size: one bit past the ids,
-    /// so that a mask step sets a bit for every live node without a branch.
-    token: u32,
-    /// Depth, 1 for a child of the root.
-    depth: u16,
-    byte: u8,
-    /// Whether `extra_tokens` has ids for this node too.
-    extra: bool,
+    /// The id the trie calls end-of-sequence (the first of `eos`, or a marker past the ids).
+    trie_eos: u32,
+    factory: ParserFactory,
 }
 
 impl fmt::Debug for TokenVocab {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TokenVocab")
             .field("len", &self.len())
-            .field("eos", &self.index.eos)
-            .field("trie_nodes", &self.index.nodes.len())
-            .field("max_depth", &self.index.max_depth)
+            .field("eos", &self.inner.eos)
             .finish_non_exhaustive()
     }
 }
 
 impl TokenVocab {
     /// A vocabulary from the bytes of each id (`None` for special tokens) and the ids that end
-    /// generation. An end-of-generation id is never walked as bytes; ids outside `tokens` are
-    /// dropped from `eos`.
+    /// generation; ids outside `tokens` are dropped from `eos`.
     pub fn new(tokens: Vec<Option<Vec<u8>>>, eos_ids: &[u32]) -> Self {
-        let mut bytes = Vec::new();
-        let mut offsets = Vec::with_capacity(tokens.len() + 1);
-        let mut has_bytes = Vec::with_capacity(tokens.len());
-        offsets.push(0);
-        for token in &tokens {
-            has_bytes.push(token.is_some());
-            bytes.extend_from_slice(token.as_deref().unwrap_or_default());
-            offsets.push(bytes.len());
-        }
         let mut eos: Vec<u32> = eos_ids
             .iter()
             .copied()
@@ -281,74 +142,47 @@ impl TokenVocab {
             .collect();
         eos.sort_unstable();
         eos.dedup();
-
-        // Tokens the trie holds, in byte order, so that shared prefixes are adjacent.
-        let token_bytes = |id: u32| {
-            let i = id as usize;
-            &bytes[offsets[i]..offsets[i + 1]]
-        };
-        let mut order: Vec<u32> = (0..tokens.len())
-            .filter_map(|i| u32::try_from(i).ok())
-            .filter(|&id| {
-                let len = token_bytes(id).len();
-                len > 0 && len <= MAX_TOKEN_BYTES && eos.binary_search(&id).is_err()
+        // Special and empty tokens go into the trie under llguidance's special marker (0xFF,
+        // which no UTF-8 text contains), so text never spells them.
+        let mut words: Vec<Vec<u8>> = tokens
+            .iter()
+            .enumerate()
+            .map(|(id, t)| match t {
+                Some(bytes) if !bytes.is_empty() && eos.binary_search(&(id as u32)).is_err() => {
+                    bytes.clone()
+                }
+                _ => {
+                    let mut special = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    special.extend(format!("<[{id}]>").bytes());
+                    special
+                }
             })
             .collect();
-        order.sort_by(|&a, &b| token_bytes(a).cmp(token_bytes(b)).then(a.cmp(&b)));
-
-        let inner = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-        let mut nodes: Vec<Node> = Vec::new();
-        let mut extra_tokens = Vec::new();
-        // Nodes on the path to the last token, by depth - 1.
-        let mut path: Vec<usize> = Vec::new();
-        let mut previous: &[u8] = &[];
-        let mut max_depth = 0;
-        for &id in &order {
-            let token = token_bytes(id);
-            let shared = token
-                .iter()
-                .zip(previous)
-                .take_while(|(a, b)| a == b)
-                .count();
-            while path.len() > shared {
-                if let Some(done) = path.pop() {
-                    nodes[done].end = nodes.len() as u32;
-                }
+        let trie_eos = match eos.first() {
+            Some(&id) => id,
+            None => {
+                // No end-of-generation id: one past the vocabulary, never in the logits.
+                words.push(vec![TokTrie::SPECIAL_TOKEN_MARKER, b'<', b'/', b'>']);
+                (words.len() - 1) as u32
             }
-            for (depth, &byte) in token.iter().enumerate().skip(shared) {
-                path.push(nodes.len());
-                nodes.push(Node {
-                    end: 0,
-                    token: inner,
-                    depth: (depth + 1) as u16,
-                    byte,
-                    extra: false,
-                });
-            }
-            // Sorted order puts every token at the deepest node on the path, the last one made
-            // (or, for a repeated byte string, the one made for its first id).
-            let last = nodes.len() - 1;
-            if nodes[last].token == inner {
-                nodes[last].token = id;
-            } else {
-                nodes[last].extra = true;
-                extra_tokens.push((last as u32, id));
-            }
-            max_depth = max_depth.max(token.len());
-            previous = token;
-        }
-        for done in path.drain(..) {
-            nodes[done].end = nodes.len() as u32;
-        }
+        };
+        let info = TokRxInfo::new(words.len() as u32, trie_eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let caps = InferenceCapabilities {
+            ff_tokens: false,
+            backtrack: false,
+            conditional_ff_tokens: false,
+            fork: false,
+        };
+        let mut factory = ParserFactory::new(&env, caps, &SlicedBiasComputer::general_slices())
+            .expect("llguidance's built-in token slices compile");
+        factory.quiet();
         Self {
-            index: Arc::new(VocabIndex {
-                bytes,
-                offsets,
-                has_bytes,
+            inner: Arc::new(VocabInner {
+                tokens,
                 eos,
-                nodes,
-                extra_tokens,
-                max_depth,
+                trie_eos,
+                factory,
             }),
         }
     }
@@ -375,7 +209,7 @@ impl TokenVocab {
 
     /// Number of ids.
     pub fn len(&self) -> usize {
-        self.index.has_bytes.len()
+        self.inner.tokens.len()
     }
 
     /// Whether there are no ids.
@@ -385,1460 +219,451 @@ impl TokenVocab {
 
     /// The bytes of `id`, or `None` for a special token or an id outside the vocabulary.
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
-        self.index.token_bytes(id)
+        self.inner.tokens.get(id as usize)?.as_deref()
     }
 
     /// The end-of-generation ids, sorted.
     pub fn eos_ids(&self) -> &[u32] {
-        &self.index.eos
+        &self.inner.eos
+    }
+
+    fn is_eos(&self, id: u32) -> bool {
+        self.inner.eos.binary_search(&id).is_ok()
     }
 }
 
-impl VocabIndex {
-    fn token_bytes(&self, id: u32) -> Option<&[u8]> {
-        let i = usize::try_from(id).ok()?;
-        if !*self.has_bytes.get(i)? {
-            return None;
+/// Where generation stands in a [`Grammar`]: llguidance's parser after the text so far.
+pub struct GrammarState {
+    matcher: Matcher,
+}
+
+impl fmt::Debug for GrammarState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GrammarState")
+            .field("stopped", &self.matcher.is_stopped())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Clone for GrammarState {
+    fn clone(&self) -> Self {
+        Self {
+            matcher: self.matcher.deep_clone(),
         }
-        Some(&self.bytes[self.offsets[i]..self.offsets[i + 1]])
     }
 }
 
-/// Where generation stands in a [`Grammar`]: the DFA state after the text so far.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct GrammarState(u32);
-
-/// A regular language over bytes, bound to a vocabulary: which tokens may come next.
+/// A grammar bound to a vocabulary: which tokens may come next.
 pub struct Grammar {
-    vocab: Arc<VocabIndex>,
-    pattern: String,
-    /// Byte to equivalence class (column).
-    classes: [u8; 256],
-    /// Columns per row.
-    stride: usize,
-    /// `table[row + class]` is the next row; rows are premultiplied by `stride`, row 0 is dead.
-    table: Vec<u32>,
-    /// Per state (row / stride): [`FLAG_ACCEPT`], [`FLAG_EXHAUSTED`].
-    flags: Vec<u8>,
-    start: u32,
+    vocab: TokenVocab,
+    /// The parser before any text, cloned for each sequence.
+    initial: Matcher,
+    kind: &'static str,
 }
 
 impl fmt::Debug for Grammar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Grammar")
-            .field("pattern", &self.pattern)
-            .field("states", &self.flags.len())
-            .field("byte_classes", &self.stride)
+            .field("kind", &self.kind)
+            .field("vocab", &self.vocab)
             .finish_non_exhaustive()
     }
 }
 
 impl Grammar {
-    /// The grammar of a regular expression (regex crate syntax, Unicode on), which the whole
+    /// The grammar of a regular expression, which the whole generated text must match.
+    ///
+    /// # Errors
+    /// [`GrammarError::Invalid`] for a pattern that does not compile, [`GrammarError::TooLarge`]
+    /// past [`MAX_GRAMMAR_BYTES`].
+    pub fn regex(pattern: &str, vocab: &TokenVocab) -> Result<Self, GrammarError> {
+        let kind = "regular expression";
+        check_size(kind, pattern.len())?;
+        Self::build(TopLevelGrammar::from_regex(pattern), kind, vocab)
+    }
+
+    /// The grammar of JSON text valid against `schema` (see the module notes for coverage).
+    ///
+    /// # Errors
+    /// [`GrammarError::Invalid`] for a schema llguidance refuses (malformed, unsatisfiable, a
+    /// keyword it does not implement, past its limits), [`GrammarError::TooLarge`].
+    pub fn json_schema(schema: &Value, vocab: &TokenVocab) -> Result<Self, GrammarError> {
+        let kind = "JSON schema";
+        check_size(kind, schema.to_string().len())?;
+        let mut schema = schema.clone();
+        if let Some(map) = schema.as_object_mut()
+            && !map.contains_key("x-guidance")
+        {
+            // Fixed separators, no free whitespace: replies stay compact and cannot be padded.
+            map.insert(
+                "x-guidance".into(),
+                serde_json::json!({
+                    "item_separator": ", ",
+                    "key_separator": ": ",
+                    "whitespace_flexible": false,
+                }),
+            );
+        }
+        Self::build(TopLevelGrammar::from_json_schema(schema), kind, vocab)
+    }
+
+    /// The grammar of a Lark file (llguidance's dialect), whose `start` rule the whole
     /// generated text must match.
     ///
     /// # Errors
-    /// [`GrammarError::Regex`] for a pattern that does not compile, [`GrammarError::TooLarge`]
-    /// past the default DFA size limit, [`GrammarError::EmptyLanguage`] for one that matches
-    /// nothing.
-    pub fn regex(pattern: &str, vocab: &TokenVocab) -> Result<Self, GrammarError> {
-        Self::regex_with(pattern, vocab, &GrammarOptions::default())
+    /// [`GrammarError::Invalid`] for a grammar that does not compile, [`GrammarError::TooLarge`].
+    pub fn lark(grammar: &str, vocab: &TokenVocab) -> Result<Self, GrammarError> {
+        let kind = "Lark grammar";
+        check_size(kind, grammar.len())?;
+        Self::build(TopLevelGrammar::from_lark(grammar.to_owned()), kind, vocab)
     }
 
-    /// [`Grammar::regex`] with options.
-    ///
-    /// # Errors
-    /// As [`Grammar::regex`].
-    pub fn regex_with(
-        pattern: &str,
+    fn build(
+        top: TopLevelGrammar,
+        kind: &'static str,
         vocab: &TokenVocab,
-        options: &GrammarOptions,
     ) -> Result<Self, GrammarError> {
-        let compiled = Compiled::build(pattern, options.max_dfa_bytes)?;
+        let parser = vocab.inner.factory.create_parser(top);
+        let initial = Matcher::new(parser);
+        if let Some(message) = initial.get_error() {
+            return Err(GrammarError::Invalid { kind, message });
+        }
         Ok(Self {
-            vocab: Arc::clone(&vocab.index),
-            pattern: pattern.to_owned(),
-            classes: compiled.classes,
-            stride: compiled.stride,
-            table: compiled.table,
-            flags: compiled.flags,
-            start: compiled.start,
+            vocab: vocab.clone(),
+            initial,
+            kind,
         })
-    }
-
-    /// The grammar of JSON text valid against `schema` (see [`schema_to_regex`] for the subset).
-    ///
-    /// # Errors
-    /// [`GrammarError::UnsupportedSchema`] / [`GrammarError::InvalidSchema`] from the conversion,
-    /// then as [`Grammar::regex`].
-    pub fn json_schema(schema: &Value, vocab: &TokenVocab) -> Result<Self, GrammarError> {
-        Self::json_schema_with(schema, vocab, &GrammarOptions::default())
-    }
-
-    /// [`Grammar::json_schema`] with options.
-    ///
-    /// # Errors
-    /// As [`Grammar::json_schema`].
-    pub fn json_schema_with(
-        schema: &Value,
-        vocab: &TokenVocab,
-        options: &GrammarOptions,
-    ) -> Result<Self, GrammarError> {
-        let pattern = schema_to_regex(schema, options.whitespace)?;
-        Self::regex_with(&pattern, vocab, options)
-    }
-
-    /// The regular expression this grammar was built from (a JSON schema's conversion).
-    pub fn pattern(&self) -> &str {
-        &self.pattern
-    }
-
-    /// Number of DFA states, the dead one included.
-    pub fn state_count(&self) -> usize {
-        self.flags.len()
     }
 
     /// The state before any text.
     pub fn start(&self) -> GrammarState {
-        GrammarState(self.start)
-    }
-
-    /// Whether the text so far matches: an end-of-generation id is allowed.
-    pub fn is_complete(&self, state: GrammarState) -> bool {
-        self.flag(state) & FLAG_ACCEPT != 0
-    }
-
-    /// Whether the text so far matches and no byte can follow it: generation must stop.
-    pub fn is_exhausted(&self, state: GrammarState) -> bool {
-        self.flag(state) & FLAG_EXHAUSTED != 0
-    }
-
-    fn flag(&self, state: GrammarState) -> u8 {
-        self.flags
-            .get(state.0 as usize / self.stride)
-            .copied()
-            .unwrap_or(0)
-    }
-
-    /// The row of `state`, checked to be one of this grammar's.
-    fn row(&self, state: GrammarState) -> Result<u32, GrammarError> {
-        let row = state.0 as usize;
-        if row.is_multiple_of(self.stride) && row < self.table.len() && row != DEAD as usize {
-            Ok(state.0)
-        } else {
-            Err(GrammarError::ForeignState)
+        GrammarState {
+            matcher: self.initial.deep_clone(),
         }
     }
 
-    fn step(&self, row: u32, byte: u8) -> u32 {
-        self.table[row as usize + usize::from(self.classes[usize::from(byte)])]
+    /// Whether the text so far is a complete match (an end-of-generation id may follow).
+    pub fn is_complete(&self, state: &mut GrammarState) -> bool {
+        state.matcher.is_accepting().unwrap_or(false)
     }
 
-    /// The state after `bytes` from `state`, or `None` when they cannot continue the text.
-    ///
-    /// # Errors
-    /// [`GrammarError::ForeignState`] for a state of another grammar.
-    pub fn advance_bytes(
-        &self,
-        state: GrammarState,
-        bytes: &[u8],
-    ) -> Result<Option<GrammarState>, GrammarError> {
-        let mut row = self.row(state)?;
-        for &byte in bytes {
-            row = self.step(row, byte);
-            if row == DEAD {
-                return Ok(None);
-            }
-        }
-        Ok(Some(GrammarState(row)))
+    /// Whether nothing may follow but the end of generation.
+    pub fn is_exhausted(&self, state: &GrammarState) -> bool {
+        state.matcher.is_stopped()
     }
 
-    /// Whether `text` as a whole matches the grammar.
+    /// Whether `text` as a whole matches the grammar, spelled with the vocabulary's tokens
+    /// (greedily, as llguidance's trie tokenizes).
     pub fn accepts(&self, text: &[u8]) -> bool {
-        matches!(
-            self.advance_bytes(self.start(), text),
-            Ok(Some(state)) if self.is_complete(state)
-        )
+        let mut state = self.start();
+        self.advance_text(&mut state, text).is_ok() && self.is_complete(&mut state)
     }
 
-    /// The state after sampling `token` in `state`. An end-of-generation id leaves the state as
-    /// it is (generation ends there).
+    /// Moves `state` past `text`, spelled with the vocabulary's tokens (greedy longest match, as
+    /// llguidance's trie tokenizes): for tools and benches that start from a known prefix.
     ///
     /// # Errors
-    /// [`GrammarError::TokenNotAllowed`] when [`Grammar::mask`] would have forbidden the token,
-    /// [`GrammarError::TokenOutOfVocab`], [`GrammarError::ForeignState`].
-    pub fn advance(&self, state: GrammarState, token: u32) -> Result<GrammarState, GrammarError> {
-        self.row(state)?;
-        let vocab_size = self.vocab.has_bytes.len();
-        if usize::try_from(token).map_or(true, |t| t >= vocab_size) {
+    /// As [`Grammar::advance`], for the first token that cannot continue.
+    pub fn advance_text(&self, state: &mut GrammarState, text: &[u8]) -> Result<(), GrammarError> {
+        for token in self.vocab.inner.factory.tok_env().tokenize_bytes(text) {
+            self.advance(state, token)?;
+        }
+        Ok(())
+    }
+
+    /// Moves `state` past `token` (an end-of-generation id ends the text).
+    ///
+    /// # Errors
+    /// [`GrammarError::TokenOutOfVocab`], or [`GrammarError::TokenNotAllowed`] when the token
+    /// cannot continue the text (the logits were not masked).
+    pub fn advance(&self, state: &mut GrammarState, token: u32) -> Result<(), GrammarError> {
+        let vocab_size = self.vocab.len();
+        if token as usize >= vocab_size {
             return Err(GrammarError::TokenOutOfVocab { token, vocab_size });
         }
-        let not_allowed = GrammarError::TokenNotAllowed { token };
-        if self.vocab.eos.binary_search(&token).is_ok() {
-            return if self.is_complete(state) {
-                Ok(state)
-            } else {
-                Err(not_allowed)
-            };
+        let id = if self.vocab.is_eos(token) {
+            self.vocab.inner.trie_eos
+        } else {
+            token
+        };
+        // A token the mask refuses is refused here too, before llguidance sees it.
+        let mask = state
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| GrammarError::Engine(e.to_string()))?;
+        if !mask.is_allowed(id) {
+            return Err(GrammarError::TokenNotAllowed { token });
         }
-        match self.vocab.token_bytes(token) {
-            Some(bytes) if !bytes.is_empty() && bytes.len() <= MAX_TOKEN_BYTES => {
-                self.advance_bytes(state, bytes)?.ok_or(not_allowed)
-            }
-            _ => Err(not_allowed),
-        }
+        state
+            .matcher
+            .consume_token(id)
+            .map_err(|_| GrammarError::TokenNotAllowed { token })
     }
 
-    /// Sets the logit of every token not allowed in `state` to `f32::NEG_INFINITY` and returns
-    /// how many are allowed. Ids past the vocabulary (a padded output layer) are never allowed;
-    /// vocabulary ids past `logits` are ignored.
+    /// Sets every logit the grammar does not allow in `state` to `-inf` and returns how many
+    /// remain. `logits` covers ids `0..logits.len()`; ids past the vocabulary are disallowed.
     ///
     /// # Errors
-    /// [`GrammarError::NoTokenAllowed`] when no id within `logits` is allowed; the logits are
-    /// then left as they were. [`GrammarError::ForeignState`].
-    pub fn mask(&self, state: GrammarState, logits: &mut [f32]) -> Result<usize, GrammarError> {
-        let allowed = self.allowed_bits(state)?;
-        let limit = logits.len().min(self.vocab.has_bytes.len());
-        let full = limit / 64;
-        let partial = allowed
-            .get(full)
-            .map_or(0, |&w| (w & ((1u64 << (limit % 64)) - 1)).count_ones());
-        let count = allowed[..full].iter().map(|w| w.count_ones()).sum::<u32>() + partial;
-        if count == 0 {
+    /// [`GrammarError::NoTokenAllowed`] when nothing in `logits` may follow;
+    /// [`GrammarError::Engine`] when llguidance fails.
+    pub fn mask(
+        &self,
+        state: &mut GrammarState,
+        logits: &mut [f32],
+    ) -> Result<usize, GrammarError> {
+        let mask = state
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| GrammarError::Engine(e.to_string()))?;
+        let eos_allowed = mask.is_allowed(self.vocab.inner.trie_eos);
+        let vocab_size = self.vocab.len();
+        let mut allowed = 0;
+        for (id, logit) in logits.iter_mut().enumerate() {
+            let id = id as u32;
+            let ok = (id as usize) < vocab_size
+                && if self.vocab.is_eos(id) {
+                    eos_allowed
+                } else {
+                    mask.is_allowed(id)
+                };
+            if ok {
+                allowed += 1;
+            } else {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+        if allowed == 0 {
             return Err(GrammarError::NoTokenAllowed {
-                accepting: self.is_complete(state),
+                accepting: eos_allowed,
             });
         }
-        let words = allowed.iter().copied().chain(std::iter::repeat(0));
-        for (chunk, word) in logits.chunks_mut(64).zip(words) {
-            match word {
-                u64::MAX => {}
-                0 => chunk.fill(f32::NEG_INFINITY),
-                _ => {
-                    for (bit, logit) in chunk.iter_mut().enumerate() {
-                        if word >> bit & 1 == 0 {
-                            *logit = f32::NEG_INFINITY;
-                        }
-                    }
-                }
-            }
-        }
-        Ok(count as usize)
+        Ok(allowed)
     }
 
-    /// The ids allowed in `state`, ascending (for inspection; sampling uses [`Grammar::mask`]).
+    /// The ids allowed in `state`, in order (what [`Grammar::mask`] keeps).
     ///
     /// # Errors
-    /// [`GrammarError::ForeignState`].
-    pub fn allowed_tokens(&self, state: GrammarState) -> Result<Vec<u32>, GrammarError> {
-        let allowed = self.allowed_bits(state)?;
-        Ok(allowed
+    /// As [`Grammar::mask`].
+    pub fn allowed_tokens(&self, state: &mut GrammarState) -> Result<Vec<u32>, GrammarError> {
+        let mut logits = vec![0.0; self.vocab.len()];
+        self.mask(state, &mut logits)?;
+        Ok(logits
             .iter()
             .enumerate()
-            .flat_map(|(w, &word)| {
-                (0..64u32)
-                    .filter(move |bit| word >> bit & 1 != 0)
-                    .map(move |bit| w as u32 * 64 + bit)
-            })
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, _)| i as u32)
             .collect())
-    }
-
-    /// One bit per vocabulary id, set for the ids allowed in `state` (no bit past the ids).
-    fn allowed_bits(&self, state: GrammarState) -> Result<Vec<u64>, GrammarError> {
-        let start = self.row(state)?;
-        let vocab = &*self.vocab;
-        let inner = vocab.has_bytes.len();
-        let mut bits = vec![0u64; (inner + 1).div_ceil(64)];
-        let mut set = |id: usize| bits[id / 64] |= 1 << (id % 64);
-        if self.is_complete(state) {
-            vocab.eos.iter().for_each(|&id| set(id as usize));
-        }
-        // The state after each prefix on the current trie path, by depth. Every step is
-        // branch-free but for the dead check, which is well predicted (runs of live or dead
-        // siblings); a data-dependent branch per node costs more than the walk itself.
-        let mut rows = vec![start; vocab.max_depth + 1];
-        let mut i = 0;
-        while let Some(node) = vocab.nodes.get(i) {
-            let depth = usize::from(node.depth);
-            let row = self.step(rows[depth - 1], node.byte);
-            if row == DEAD {
-                i = node.end as usize;
-                continue;
-            }
-            rows[depth] = row;
-            set(node.token as usize);
-            if node.extra {
-                let first = vocab
-                    .extra_tokens
-                    .partition_point(|&(n, _)| (n as usize) < i);
-                for &(_, id) in vocab.extra_tokens[first..]
-                    .iter()
-                    .take_while(|&&(n, _)| n as usize == i)
-                {
-                    set(id as usize);
-                }
-            }
-            i += 1;
-        }
-        // Inner nodes set the bit past the ids.
-        bits[inner / 64] &= !(1 << (inner % 64));
-        Ok(bits)
     }
 }
 
-/// Masks `logits` for `state` (see [`Grammar::mask`]): the one call a sampling loop needs
-/// before it samples.
+fn check_size(kind: &'static str, bytes: usize) -> Result<(), GrammarError> {
+    if bytes > MAX_GRAMMAR_BYTES {
+        return Err(GrammarError::TooLarge { kind, bytes });
+    }
+    Ok(())
+}
+
+/// The grammar a user asked for on the command line or in a chain file: a regular expression, a
+/// JSON schema file or a Lark grammar file (at most one; `None` for none), over `tokenizer`'s
+/// token bytes.
 ///
 /// # Errors
-/// As [`Grammar::mask`].
-/// The grammar a user asked for on the command line or in a chain file: a regular expression or
-/// a JSON schema file (not both; neither is `None`), over `tokenizer`'s token bytes.
-///
-/// # Errors
-/// Both given, an unreadable or invalid schema file, or a [`GrammarError`].
+/// More than one given, an unreadable or invalid file, or a [`GrammarError`].
 pub fn from_request(
     regex: Option<&str>,
     json_schema: Option<&std::path::Path>,
-    tokenizer: &crate::model::tokenizer::Tokenizer,
+    lark: Option<&std::path::Path>,
+    tokenizer: &Tokenizer,
 ) -> Result<Option<Grammar>, Box<dyn std::error::Error + Send + Sync>> {
-    let grammar = match (regex, json_schema) {
-        (None, None) => return Ok(None),
-        (Some(_), Some(_)) => return Err("pass --regex or --json-schema, not both".into()),
-        (Some(pattern), None) => Grammar::regex(pattern, &TokenVocab::from_tokenizer(tokenizer)?)?,
-        (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("reading {}: {e}", path.display()))?;
-            let schema: Value =
-                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-            Grammar::json_schema(&schema, &TokenVocab::from_tokenizer(tokenizer)?)?
-        }
+    let given = [regex.is_some(), json_schema.is_some(), lark.is_some()];
+    match given.iter().filter(|&&g| g).count() {
+        0 => return Ok(None),
+        1 => {}
+        _ => return Err("pass one of --regex, --json-schema and --grammar".into()),
+    }
+    let read =
+        |path: &std::path::Path| -> Result<String, Box<dyn std::error::Error + Send + Sync>> {
+            let size = std::fs::metadata(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?
+                .len();
+            if size > MAX_GRAMMAR_BYTES as u64 {
+                return Err(format!(
+                    "{}: {size} bytes, over the {MAX_GRAMMAR_BYTES}-byte grammar limit",
+                    path.display()
+                )
+                .into());
+            }
+            Ok(std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?)
+        };
+    let vocab = TokenVocab::from_tokenizer(tokenizer)?;
+    let grammar = if let Some(pattern) = regex {
+        Grammar::regex(pattern, &vocab)?
+    } else if let Some(path) = json_schema {
+        let schema: Value =
+            serde_json::from_str(&read(path)?).map_err(|e| format!("{}: {e}", path.display()))?;
+        Grammar::json_schema(&schema, &vocab)?
+    } else if let Some(path) = lark {
+        Grammar::lark(&read(path)?, &vocab).map_err(|e| format!("{}: {e}", path.display()))?
+    } else {
+        unreachable!("one of the three is given (counted above)")
     };
     Ok(Some(grammar))
 }
 
-pub fn constrain(
-    grammar: &Grammar,
-    state: GrammarState,
-    logits: &mut [f32],
-) -> Result<(), GrammarError> {
-    grammar.mask(state, logits).map(|_| ())
-}
-
-/// A pattern compiled to our table.
-struct Compiled {
-    classes: [u8; 256],
-    stride: usize,
-    table: Vec<u32>,
-    flags: Vec<u8>,
-    start: u32,
-}
-
-impl Compiled {
-    fn build(pattern: &str, max_bytes: usize) -> Result<Self, GrammarError> {
-        let too_large = GrammarError::TooLarge { max: max_bytes };
-        let dfa = dense::Builder::new()
-            .configure(
-                dense::Config::new()
-                    .start_kind(StartKind::Anchored)
-                    .match_kind(MatchKind::All)
-                    .minimize(false)
-                    .accelerate(false)
-                    .specialize_start_states(false)
-                    .dfa_size_limit(Some(max_bytes))
-                    .determinize_size_limit(Some(max_bytes)),
-            )
-            .syntax(syntax::Config::new().unicode(true).utf8(true))
-            .thompson(thompson::Config::new().nfa_size_limit(Some(max_bytes)))
-            .build(pattern)
-            .map_err(|source| {
-                let nfa_too_large = std::error::Error::source(&source)
-                    .and_then(|e| e.downcast_ref::<thompson::BuildError>())
-                    .is_some_and(|e| e.size_limit().is_some());
-                if source.is_size_limit_exceeded() || nfa_too_large {
-                    GrammarError::TooLarge { max: max_bytes }
-                } else {
-                    GrammarError::Regex {
-                        pattern: pattern.to_owned(),
-                        source: Box::new(source),
-                    }
-                }
-            })?;
-        let unsupported = |what: String| GrammarError::Unsupported {
-            pattern: pattern.to_owned(),
-            what,
-        };
-        let dfa_start = dfa
-            .start_state(&start::Config::new().anchored(Anchored::Yes))
-            .map_err(|e| unsupported(e.to_string()))?;
-
-        // Columns: one per byte class, each walked through one byte of it.
-        let byte_classes = dfa.byte_classes();
-        let mut classes = [0u8; 256];
-        let mut representative = [0u8; 256];
-        let mut stride = 0;
-        for byte in 0..=255u8 {
-            let class = byte_classes.get(byte);
-            classes[usize::from(byte)] = class;
-            representative[usize::from(class)] = byte;
-            stride = stride.max(usize::from(class) + 1);
-        }
-
-        // Every state reachable from the start, numbered in discovery order from 1 (0 is dead).
-        let mut ids: HashMap<StateID, u32> = HashMap::new();
-        let mut order: Vec<StateID> = Vec::new();
-        let mut edges: Vec<u32> = vec![DEAD; stride];
-        let mut accept: Vec<bool> = vec![false];
-        if dfa.is_dead_state(dfa_start) {
-            return Err(GrammarError::EmptyLanguage {
-                pattern: pattern.to_owned(),
-            });
-        }
-        ids.insert(dfa_start, 1);
-        order.push(dfa_start);
-        let mut next = 0;
-        while let Some(&state) = order.get(next) {
-            next += 1;
-            accept.push(dfa.is_match_state(dfa.next_eoi_state(state)));
-            for &byte in &representative[..stride] {
-                let to = dfa.next_state(state, byte);
-                let id = if dfa.is_dead_state(to) {
-                    DEAD
-                } else if dfa.is_quit_state(to) {
-                    return Err(unsupported(format!("byte {byte:#04x} quits the DFA")));
-                } else {
-                    let fresh = order.len() as u32 + 1;
-                    let id = *ids.entry(to).or_insert(fresh);
-                    if id == fresh {
-                        order.push(to);
-                    }
-                    id
-                };
-                edges.push(id);
-            }
-            if edges.len().saturating_mul(size_of::<u32>()) > max_bytes
-                || edges.len() > u32::MAX as usize
-            {
-                return Err(too_large);
-            }
-        }
-        let states = accept.len();
-
-        // Live states: those that can reach an accepting one, found backwards over the edges
-        // (predecessor lists in one array: those of `s` are `preds[first[s]..first[s + 1]]`).
-        let mut first = vec![0usize; states + 1];
-        for &to in &edges[stride..] {
-            first[to as usize + 1] += 1;
-        }
-        for s in 0..states {
-            first[s + 1] += first[s];
-        }
-        let mut fill = first.clone();
-        let mut preds = vec![0u32; first[states]];
-        for (from, row) in edges.chunks(stride).enumerate().skip(1) {
-            for &to in row {
-                preds[fill[to as usize]] = from as u32;
-                fill[to as usize] += 1;
-            }
-        }
-        let mut live = accept.clone();
-        let mut stack: Vec<usize> = (1..states).filter(|&s| accept[s]).collect();
-        while let Some(s) = stack.pop() {
-            for &p in &preds[first[s]..first[s + 1]] {
-                if !live[p as usize] {
-                    live[p as usize] = true;
-                    stack.push(p as usize);
-                }
-            }
-        }
-        if !live[1] {
-            return Err(GrammarError::EmptyLanguage {
-                pattern: pattern.to_owned(),
-            });
-        }
-
-        // Renumber the live states into premultiplied rows; edges to dead-ended states go dead.
-        let mut row_of = vec![DEAD; states];
-        let mut rows = 1usize;
-        for s in 1..states {
-            if live[s] {
-                row_of[s] = (rows * stride) as u32;
-                rows += 1;
-            }
-        }
-        let mut table = vec![DEAD; rows * stride];
-        let mut flags = vec![0u8; rows];
-        for s in (1..states).filter(|&s| live[s]) {
-            let row = row_of[s] as usize;
-            let out = &mut table[row..row + stride];
-            for (slot, &to) in out.iter_mut().zip(&edges[s * stride..(s + 1) * stride]) {
-                *slot = row_of[to as usize];
-            }
-            let mut flag = 0;
-            if accept[s] {
-                flag |= FLAG_ACCEPT;
-                if out.iter().all(|&to| to == DEAD) {
-                    flag |= FLAG_EXHAUSTED;
-                }
-            }
-            flags[row / stride] = flag;
-        }
-        Ok(Self {
-            classes,
-            stride,
-            table,
-            flags,
-            start: row_of[1],
-        })
-    }
-}
-
-/// The regular expression of JSON text valid against `schema`, as [`Grammar::json_schema`]
-/// builds it.
-///
-/// Converted: `type` (`object`, `string`, `integer`, `number`, `boolean`, `null`, `array`, or a
-/// list of them); for objects `properties` (in declared order), `required` and
-/// `additionalProperties` true or false (extra properties are never generated); for arrays
-/// `items`, `minItems`, `maxItems`; for strings `minLength`, `maxLength`; `enum`, `const`,
-/// `anyOf`; annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`,
-/// `$comment`, `$defs`, `definitions`, `deprecated`, `readOnly`, `writeOnly`) are ignored.
-/// Integers and each part of a number have at most 16 digits, as in llama.cpp.
-///
-/// # Errors
-/// [`GrammarError::UnsupportedSchema`] naming any other keyword (`pattern`, `format`,
-/// `minimum`, `$ref`, `oneOf`, ...) or form (an object without `properties`, an array without
-/// `items`, a schema that allows any value); [`GrammarError::InvalidSchema`] for malformed or
-/// unsatisfiable schemas; both when nesting is deeper than [`MAX_SCHEMA_DEPTH`].
-pub fn schema_to_regex(schema: &Value, whitespace: Whitespace) -> Result<String, GrammarError> {
-    SchemaConverter {
-        ws: whitespace.pattern(),
-    }
-    .convert(schema, "#", 0)
-}
-
-/// The longest regular expression a schema may become (each level is checked, so no level
-/// builds more than a few times this).
-pub const MAX_SCHEMA_REGEX_BYTES: usize = 1 << 20;
-
-/// One JSON string character: anything but `"`, `\` and control characters, or an escape.
-const JSON_CHAR: &str = r#"(?:[^"\\\x00-\x1F\x7F]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))"#;
-/// llama.cpp's integral part: at most 16 digits, no leading zero.
-const JSON_INTEGER: &str = "-?(?:0|[1-9][0-9]{0,15})";
-const JSON_NUMBER: &str =
-    r"-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,16})?(?:[eE][-+]?(?:0|[1-9][0-9]{0,15}))?";
-
-const ANNOTATIONS: [&str; 12] = [
-    "title",
-    "description",
-    "default",
-    "examples",
-    "$schema",
-    "$id",
-    "$comment",
-    "$defs",
-    "definitions",
-    "deprecated",
-    "readOnly",
-    "writeOnly",
-];
-const CONSTRAINTS: [&str; 12] = [
-    "type",
-    "properties",
-    "required",
-    "additionalProperties",
-    "items",
-    "minItems",
-    "maxItems",
-    "minLength",
-    "maxLength",
-    "enum",
-    "const",
-    "anyOf",
-];
-
-struct SchemaConverter {
-    ws: &'static str,
-}
-
-impl SchemaConverter {
-    /// The schema at `path` as a regular expression, refused once it passes
-    /// [`MAX_SCHEMA_REGEX_BYTES`]: each nested array or alternative repeats its child's pattern,
-    /// so a few hundred bytes of schema can ask for gigabytes of pattern.
-    fn convert(&self, schema: &Value, path: &str, depth: usize) -> Result<String, GrammarError> {
-        let pattern = self.convert_unbounded(schema, path, depth)?;
-        if pattern.len() > MAX_SCHEMA_REGEX_BYTES {
-            return Err(GrammarError::InvalidSchema {
-                path: path.to_owned(),
-                reason: format!(
-                    "its regular expression passes {MAX_SCHEMA_REGEX_BYTES} bytes ({} here): \
-                     nested arrays and alternatives repeat their items; flatten the schema",
-                    pattern.len()
-                ),
-            });
-        }
-        Ok(pattern)
-    }
-
-    fn convert_unbounded(
-        &self,
-        schema: &Value,
-        path: &str,
-        depth: usize,
-    ) -> Result<String, GrammarError> {
-        let invalid = |reason: String| GrammarError::InvalidSchema {
-            path: path.to_owned(),
-            reason,
-        };
-        let unsupported = |keyword: &str| GrammarError::UnsupportedSchema {
-            keyword: keyword.to_owned(),
-            path: path.to_owned(),
-        };
-        if depth > MAX_SCHEMA_DEPTH {
-            return Err(invalid(format!(
-                "nested deeper than {MAX_SCHEMA_DEPTH} levels"
-            )));
-        }
-        let map = match schema {
-            Value::Object(map) => map,
-            Value::Bool(true) => return Err(unsupported("true (any value)")),
-            Value::Bool(false) => return Err(invalid("`false` allows no value".into())),
-            other => return Err(invalid(format!("a schema is an object, not {other}"))),
-        };
-        if let Some(keyword) = map
-            .keys()
-            .find(|k| !ANNOTATIONS.contains(&k.as_str()) && !CONSTRAINTS.contains(&k.as_str()))
-        {
-            return Err(unsupported(keyword));
-        }
-        if let Some(value) = map.get("const") {
-            return Ok(literal(value));
-        }
-        if let Some(values) = map.get("enum") {
-            let values = values
-                .as_array()
-                .ok_or_else(|| invalid("`enum` is not an array".into()))?;
-            if values.is_empty() {
-                return Err(invalid("`enum` is empty, so no value is valid".into()));
-            }
-            let alternatives: Vec<String> = values.iter().map(literal).collect();
-            return Ok(format!("(?:{})", alternatives.join("|")));
-        }
-        if let Some(branches) = map.get("anyOf") {
-            if let Some(keyword) = map
-                .keys()
-                .find(|k| CONSTRAINTS.contains(&k.as_str()) && *k != "anyOf")
-            {
-                return Err(unsupported(&format!("{keyword} beside anyOf")));
-            }
-            let branches = branches
-                .as_array()
-                .filter(|b| !b.is_empty())
-                .ok_or_else(|| invalid("`anyOf` is not a non-empty array".into()))?;
-            let alternatives = branches
-                .iter()
-                .enumerate()
-                .map(|(i, b)| self.convert(b, &format!("{path}/anyOf/{i}"), depth + 1))
-                .collect::<Result<Vec<_>, _>>()?;
-            return Ok(format!("(?:{})", alternatives.join("|")));
-        }
-        let types: Vec<&str> = match map.get("type") {
-            Some(Value::String(t)) => vec![t.as_str()],
-            Some(Value::Array(list)) if !list.is_empty() => list
-                .iter()
-                .map(|t| {
-                    t.as_str()
-                        .ok_or_else(|| invalid(format!("`type` lists {t}, not a type name")))
-                })
-                .collect::<Result<_, _>>()?,
-            Some(other) => return Err(invalid(format!("`type` is {other}"))),
-            None if map.contains_key("properties") => vec!["object"],
-            None if map.contains_key("items") => vec!["array"],
-            None => {
-                return Err(unsupported(
-                    "a schema without type, enum, const or anyOf (any value)",
-                ));
-            }
-        };
-        let alternatives = types
-            .iter()
-            .map(|&t| self.typed(t, map, path, depth))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(match alternatives.as_slice() {
-            [one] => one.clone(),
-            many => format!("(?:{})", many.join("|")),
-        })
-    }
-
-    fn typed(
-        &self,
-        ty: &str,
-        map: &serde_json::Map<String, Value>,
-        path: &str,
-        depth: usize,
-    ) -> Result<String, GrammarError> {
-        let invalid = |reason: String| GrammarError::InvalidSchema {
-            path: path.to_owned(),
-            reason,
-        };
-        let count = |key: &str| -> Result<Option<u64>, GrammarError> {
-            map.get(key)
-                .map(|v| {
-                    v.as_u64()
-                        .ok_or_else(|| invalid(format!("`{key}` is {v}, not a count")))
-                })
-                .transpose()
-        };
-        let ws = self.ws;
-        match ty {
-            "string" => {
-                let (min, max) = (count("minLength")?.unwrap_or(0), count("maxLength")?);
-                Ok(format!("\"{JSON_CHAR}{}\"", repeat(min, max, &invalid)?))
-            }
-            "integer" => Ok(JSON_INTEGER.to_owned()),
-            "number" => Ok(JSON_NUMBER.to_owned()),
-            "boolean" => Ok("(?:true|false)".to_owned()),
-            "null" => Ok("null".to_owned()),
-            "array" => {
-                let items = match map.get("items") {
-                    Some(items @ (Value::Object(_) | Value::Bool(_))) => items,
-                    Some(_) => {
-                        return Err(GrammarError::UnsupportedSchema {
-                            keyword: "items (a list of schemas)".into(),
-                            path: path.to_owned(),
-                        });
-                    }
-                    None => {
-                        return Err(GrammarError::UnsupportedSchema {
-                            keyword: "array without items".into(),
-                            path: path.to_owned(),
-                        });
-                    }
-                };
-                let item = self.convert(items, &format!("{path}/items"), depth + 1)?;
-                let (min, max) = (count("minItems")?.unwrap_or(0), count("maxItems")?);
-                let more = format!("(?:{ws},{ws}{item})");
-                Ok(match (min, max) {
-                    (_, Some(0)) => format!(r"\[{ws}\]"),
-                    (0, max) => format!(
-                        r"\[{ws}(?:{item}{more}{})?{ws}\]",
-                        repeat(0, max.map(|m| m - 1), &invalid)?
-                    ),
-                    (min, max) => format!(
-                        r"\[{ws}{item}{more}{}{ws}\]",
-                        repeat(min - 1, max.map(|m| m.saturating_sub(1)), &invalid)?
-                    ),
-                })
-            }
-            "object" => self.object(map, path, depth),
-            other => Err(invalid(format!("`type` {other:?} is not a JSON type"))),
-        }
-    }
-
-    fn object(
-        &self,
-        map: &serde_json::Map<String, Value>,
-        path: &str,
-        depth: usize,
-    ) -> Result<String, GrammarError> {
-        let invalid = |reason: String| GrammarError::InvalidSchema {
-            path: path.to_owned(),
-            reason,
-        };
-        let properties = match map.get("properties") {
-            Some(Value::Object(p)) => p,
-            Some(other) => return Err(invalid(format!("`properties` is {other}"))),
-            None => {
-                return Err(GrammarError::UnsupportedSchema {
-                    keyword: "object without properties".into(),
-                    path: path.to_owned(),
-                });
-            }
-        };
-        match map.get("additionalProperties") {
-            None | Some(Value::Bool(_)) => {}
-            Some(_) => {
-                return Err(GrammarError::UnsupportedSchema {
-                    keyword: "additionalProperties (a schema)".into(),
-                    path: path.to_owned(),
-                });
-            }
-        }
-        let required: Vec<&str> = match map.get("required") {
-            None => Vec::new(),
-            Some(Value::Array(list)) => list
-                .iter()
-                .map(|r| {
-                    r.as_str()
-                        .ok_or_else(|| invalid(format!("`required` lists {r}, not a name")))
-                })
-                .collect::<Result<_, _>>()?,
-            Some(other) => return Err(invalid(format!("`required` is {other}"))),
-        };
-        if let Some(missing) = required.iter().find(|r| !properties.contains_key(**r)) {
-            return Err(invalid(format!(
-                "required property {missing:?} is not in properties, so it cannot be generated"
-            )));
-        }
-        let ws = self.ws;
-        let mut members = Vec::with_capacity(properties.len());
-        for (name, schema) in properties {
-            let value = self.convert(
-                schema,
-                &format!("{path}/properties/{}", pointer_escape(name)),
-                depth + 1,
-            )?;
-            members.push((
-                format!("{}{ws}:{ws}{value}", literal(&Value::String(name.clone()))),
-                required.contains(&name.as_str()),
-            ));
-        }
-        // From the last property back: `after_some` is the rest when a property came before
-        // (so each one starts with a comma), `after_none` when none did. An optional property
-        // may be left out; `after_none` keeps both ways, which is quadratic in the number of
-        // optional properties, not exponential.
-        let (mut after_some, mut after_none) = (String::new(), String::new());
-        for (member, required) in members.iter().rev() {
-            let with_comma = format!("{ws},{ws}{member}");
-            let (some, none) = if *required {
-                (
-                    format!("{with_comma}{after_some}"),
-                    format!("{member}{after_some}"),
-                )
-            } else {
-                (
-                    format!("(?:{with_comma})?{after_some}"),
-                    format!("(?:{member}{after_some}|{after_none})"),
-                )
-            };
-            (after_some, after_none) = (some, none);
-        }
-        Ok(format!(r"\{{{ws}{after_none}{ws}\}}"))
-    }
-}
-
-/// `{min,max}` (or `*`, `{min,}`) after a repeated item.
-fn repeat(
-    min: u64,
-    max: Option<u64>,
-    invalid: &dyn Fn(String) -> GrammarError,
-) -> Result<String, GrammarError> {
-    Ok(match max {
-        Some(max) if max < min => {
-            return Err(invalid(format!(
-                "the maximum count {max} is below the minimum {min}"
-            )));
-        }
-        Some(max) => format!("{{{min},{max}}}"),
-        None if min == 0 => "*".to_owned(),
-        None => format!("{{{min},}}"),
-    })
-}
-
-/// The compact JSON text of `value`, as a regular expression that matches exactly it.
-fn literal(value: &Value) -> String {
-    escape(&value.to_string())
-}
-
-/// `text` with every regex meta character escaped.
-fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 8);
-    for c in text.chars() {
-        if r"\.+*?()|[]{}^$#&-~".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// A property name as a JSON pointer segment (RFC 6901).
-fn pointer_escape(name: &str) -> String {
-    name.replace('~', "~0").replace('/', "~1")
-}
-
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
-
     use super::*;
 
-    /// End-of-generation id of [`digits_vocab`].
-    const EOS: u32 = 11;
-
-    /// A hand-made vocabulary: single bytes, multi-byte tokens, tokens that run past the end of
-    /// `ab[cd][0-9]{1,2}`, a special, the EOS id, an empty token and a duplicate.
-    fn digits_vocab() -> TokenVocab {
-        let t = |s: &str| Some(s.as_bytes().to_vec());
-        TokenVocab::new(
-            vec![
-                t("a"),   // 0
-                t("ab"),  // 1
-                t("abc"), // 2
-                t("c"),   // 3
-                t("d"),   // 4
-                t("1"),   // 5
-                t("12"),  // 6
-                t("123"), // 7
-                t("c1"),  // 8
-                t("b"),   // 9
-                None,     // 10: a special token
-                None,     // 11: EOS
-                t(""),    // 12
-                t("d9x"), // 13: runs past the match
-                t("abc"), // 14: same bytes as 2
-            ],
-            &[EOS],
-        )
-    }
-
-    fn allowed(g: &Grammar, s: GrammarState) -> Vec<u32> {
-        g.allowed_tokens(s).expect("state")
-    }
-
-    fn walk(g: &Grammar, tokens: &[u32]) -> GrammarState {
-        tokens
-            .iter()
-            .try_fold(g.start(), |s, &t| g.advance(s, t))
-            .expect("allowed")
-    }
-
-    #[test]
-    fn regex_masks_multi_byte_and_boundary_tokens() {
-        let v = digits_vocab();
-        let g = Grammar::regex("ab[cd][0-9]{1,2}", &v).expect("grammar");
-        let s = g.start();
-        assert_eq!(allowed(&g, s), [0, 1, 2, 14]);
-        assert!(!g.is_complete(s) && !g.is_exhausted(s));
-
-        let ab = walk(&g, &[1]);
-        assert_eq!(walk(&g, &[0, 9]), ab, "a + b reaches the state of ab");
-        // "d9x" runs past the end of the pattern: its last byte dies.
-        assert_eq!(allowed(&g, ab), [3, 4, 8]);
-
-        let abc = walk(&g, &[2]);
-        assert_eq!(allowed(&g, abc), [5, 6], "123 is one digit too many");
-        assert!(!g.is_complete(abc));
-        assert!(matches!(
-            g.advance(abc, EOS),
-            Err(GrammarError::TokenNotAllowed { token: EOS })
-        ));
-
-        let abc1 = walk(&g, &[2, 5]);
-        assert!(g.is_complete(abc1) && !g.is_exhausted(abc1));
-        assert_eq!(allowed(&g, abc1), [5, EOS]);
-        assert_eq!(g.advance(abc1, EOS).expect("eos"), abc1);
-
-        let abc12 = walk(&g, &[0, 9, 8, 5]);
-        assert!(g.is_exhausted(abc12));
-        assert_eq!(allowed(&g, abc12), [EOS]);
-
-        for token in [3, 10, 12] {
-            assert!(
-                matches!(
-                    g.advance(s, token),
-                    Err(GrammarError::TokenNotAllowed { .. })
-                ),
-                "{token}"
-            );
+    /// The 256 bytes, a few multi-byte tokens, a special and an end-of-generation id.
+    fn vocab() -> TokenVocab {
+        let mut tokens: Vec<Option<Vec<u8>>> = (0u8..=255).map(|b| Some(vec![b])).collect();
+        for t in ["yes", "no", ", ", "{\"", "\": ", "\"}", "true", "12"] {
+            tokens.push(Some(t.as_bytes().to_vec()));
         }
-        assert!(matches!(
-            g.advance(s, 15),
-            Err(GrammarError::TokenOutOfVocab {
-                token: 15,
-                vocab_size: 15
-            })
-        ));
+        tokens.push(None); // a special token
+        tokens.push(None); // end of generation
+        let eos = tokens.len() as u32 - 1;
+        TokenVocab::new(tokens, &[eos])
+    }
+
+    fn token(v: &TokenVocab, text: &str) -> u32 {
+        (0..v.len() as u32)
+            .find(|&id| v.token_bytes(id) == Some(text.as_bytes()))
+            .expect(text)
+    }
+
+    /// The ids allowed in `state`.
+    fn allowed(g: &Grammar, state: &mut GrammarState) -> Vec<u32> {
+        g.allowed_tokens(state).unwrap()
     }
 
     #[test]
-    fn mask_sets_only_disallowed_logits() {
-        let v = digits_vocab();
-        let g = Grammar::regex("ab[cd][0-9]{1,2}", &v).expect("grammar");
-        let abc1 = walk(&g, &[2, 5]);
-        // Two ids past the vocabulary, as a padded output layer has.
-        let original: Vec<f32> = (0..17).map(|i| i as f32 * 0.5 - 3.0).collect();
-        let mut logits = original.clone();
-        assert_eq!(g.mask(abc1, &mut logits).expect("mask"), 2);
-        for (id, (&got, &was)) in logits.iter().zip(&original).enumerate() {
-            if id == 5 || id == EOS as usize {
-                assert_eq!(got, was, "{id}");
-            } else {
-                assert_eq!(got, f32::NEG_INFINITY, "{id}");
-            }
+    fn a_regex_allows_only_its_continuations_and_the_end_when_complete() {
+        let v = vocab();
+        let eos = *v.eos_ids().first().unwrap();
+        let g = Grammar::regex("(yes|no), [0-9]{2}", &v).unwrap();
+        let mut s = g.start();
+        let first = allowed(&g, &mut s);
+        assert!(first.contains(&token(&v, "yes")) && first.contains(&token(&v, "no")));
+        assert!(first.contains(&(b'y' as u32)) && !first.contains(&(b'x' as u32)));
+        assert!(!first.contains(&eos), "incomplete text cannot end");
+        for t in ["no", ", ", "12"] {
+            g.advance(&mut s, token(&v, t)).unwrap();
         }
-        // Ids past the logits are not counted; a mask over 64+ ids takes the word paths.
-        let mut short = vec![0.0; 6];
-        assert_eq!(g.mask(abc1, &mut short).expect("mask"), 1);
-        let mut long = vec![1.0; 200];
-        g.mask(g.start(), &mut long).expect("mask");
-        assert_eq!(long.iter().filter(|l| l.is_finite()).count(), 4);
-        constrain(&g, g.start(), &mut long).expect("constrain");
-    }
-
-    #[test]
-    fn mask_reports_when_nothing_can_follow() {
-        // The vocabulary has no digits, so after "abc" nothing is allowed.
-        let v = TokenVocab::new(vec![Some(b"abc".to_vec()), None], &[1]);
-        let g = Grammar::regex("abc[0-9]", &v).expect("grammar");
-        let s = g.advance(g.start(), 0).expect("abc");
-        let mut logits = vec![0.5; 2];
+        assert!(g.is_complete(&mut s));
+        assert_eq!(allowed(&g, &mut s), [eos]);
         assert!(matches!(
-            g.mask(s, &mut logits),
-            Err(GrammarError::NoTokenAllowed { accepting: false })
+            g.advance(&mut s, b'3' as u32),
+            Err(GrammarError::TokenNotAllowed { .. })
         ));
-        assert_eq!(logits, [0.5, 0.5], "logits untouched on error");
-        // Complete, but the logits do not reach the EOS id.
-        let g = Grammar::regex("abc", &v).expect("grammar");
-        let s = g.advance(g.start(), 0).expect("abc");
-        let err = g.mask(s, &mut [0.0]).expect_err("no eos in logits");
-        assert!(err.to_string().contains("complete"), "{err}");
-        assert_eq!(g.mask(s, &mut [0.0, 0.0]).expect("eos"), 1);
+        assert!(g.accepts(b"yes, 42") && !g.accepts(b"yes, 4") && !g.accepts(b"maybe"));
     }
 
     #[test]
-    fn alternatives_are_kept_after_an_earlier_match() {
-        let v = TokenVocab::new(vec![Some(b"a".to_vec()), Some(b"b".to_vec()), None], &[2]);
-        let g = Grammar::regex("a|ab", &v).expect("grammar");
-        let a = g.advance(g.start(), 0).expect("a");
-        assert_eq!(allowed(&g, a), [1, 2], "leftmost-first would drop `ab`");
-        let ab = g.advance(a, 1).expect("b");
-        assert!(g.is_exhausted(ab));
+    fn masks_set_disallowed_logits_to_minus_infinity() {
+        let v = vocab();
+        let g = Grammar::regex("yes|no", &v).unwrap();
+        let mut s = g.start();
+        let mut logits = vec![1.0; v.len() + 3];
+        let n = g.mask(&mut s, &mut logits).unwrap();
+        assert_eq!(logits.iter().filter(|l| l.is_finite()).count(), n);
+        assert!(logits[v.len()..].iter().all(|l| *l == f32::NEG_INFINITY));
+        assert!(logits[token(&v, "yes") as usize].is_finite());
+        // The special token is never allowed.
+        assert_eq!(logits[v.len() - 2], f32::NEG_INFINITY);
     }
 
+    /// JSON schema keywords the old regex converter refused: `$ref`, `oneOf`, `pattern`,
+    /// numeric bounds, `additionalProperties` as a schema.
     #[test]
-    fn utf8_is_walked_byte_by_byte() {
-        let (lead, cont) = ("é".as_bytes()[0], "é".as_bytes()[1]);
-        let v = TokenVocab::new(
-            vec![
-                Some(vec![lead]),
-                Some(vec![cont]),
-                Some("é".as_bytes().to_vec()),
-                Some(vec![cont, lead]),
-                Some(b"e".to_vec()),
-            ],
-            &[],
-        );
-        let g = Grammar::regex("é+", &v).expect("grammar");
-        assert_eq!(allowed(&g, g.start()), [0, 2]);
-        let half = g.advance(g.start(), 0).expect("lead byte");
-        assert!(!g.is_complete(half));
-        assert_eq!(allowed(&g, half), [1, 3]);
-        let s = g.advance(half, 3).expect("continuation then lead");
-        assert_eq!(allowed(&g, s), [1, 3]);
-        assert!(g.accepts("éé".as_bytes()) && !g.accepts(&[lead]));
-    }
-
-    #[test]
-    fn regex_errors_are_named() {
-        let v = digits_vocab();
-        assert!(matches!(
-            Grammar::regex("(", &v),
-            Err(GrammarError::Regex { .. })
-        ));
-        assert!(matches!(
-            Grammar::regex("a$b", &v),
-            Err(GrammarError::EmptyLanguage { .. })
-        ));
-        let small = GrammarOptions {
-            max_dfa_bytes: 16 << 10,
-            ..Default::default()
-        };
-        assert!(matches!(
-            Grammar::regex_with("[0-9]{2000}", &v, &small),
-            Err(GrammarError::TooLarge { max }) if max == 16 << 10
-        ));
-        // A small NFA whose DFA is exponential: the thirteenth byte from the end is a 1.
-        assert!(matches!(
-            Grammar::regex_with("[01]*1[01]{12}", &v, &small),
-            Err(GrammarError::TooLarge { .. })
-        ));
-        let g = Grammar::regex("ab", &v).expect("grammar");
-        let other = Grammar::regex("[a-z]{1,40}", &v).expect("grammar");
-        let far = other
-            .advance_bytes(other.start(), b"abcdefghijklmnop")
-            .expect("state");
-        assert!(matches!(
-            g.advance(far.expect("alive"), 0),
-            Err(GrammarError::ForeignState)
-        ));
-    }
-
-    /// Every byte as a token, and EOS: enough to check what a schema's regex accepts.
-    fn byte_vocab() -> TokenVocab {
-        let mut tokens: Vec<Option<Vec<u8>>> = (0..=255u8).map(|b| Some(vec![b])).collect();
-        tokens.push(None);
-        TokenVocab::new(tokens, &[256])
-    }
-
-    fn schema_grammar(schema: Value) -> Grammar {
-        Grammar::json_schema(&schema, &byte_vocab()).unwrap_or_else(|e| panic!("{schema}: {e}"))
-    }
-
-    fn check(g: &Grammar, good: &[&str], bad: &[&str]) {
-        for text in good {
-            assert!(
-                g.accepts(text.as_bytes()),
-                "should accept {text:?}\n{}",
-                g.pattern()
-            );
-        }
-        for text in bad {
-            assert!(
-                !g.accepts(text.as_bytes()),
-                "should reject {text:?}\n{}",
-                g.pattern()
-            );
-        }
-    }
-
-    #[test]
-    fn schema_properties_in_declared_order() {
-        let g = schema_grammar(json!({
-            "type": "object",
-            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-            "required": ["name", "age"],
-            "title": "Person"
-        }));
-        check(
-            &g,
-            &[
-                r#"{"name":"Bob","age":42}"#,
-                r#"{ "name": "Bob", "age": -7 }"#,
-                "{\n  \"name\": \"B\\\"o\\u00e9b\",\n  \"age\": 0\n}",
-            ],
-            &[
-                r#"{"age":42,"name":"Bob"}"#,
-                r#"{"name":"Bob"}"#,
-                r#"{"name":"Bob","age":42,}"#,
-                r#"{"name":"Bob","age":042}"#,
-                r#"{"name":"Bob","age":12345678901234567}"#,
-                "{\"name\":\"a\nb\",\"age\":1}",
-                r#" {"name":"Bob","age":42}"#,
-                r#"{"name":"Bob",    "age":42}"#,
-            ],
-        );
-        assert!(
-            g.is_exhausted(
-                g.advance_bytes(g.start(), br#"{"name":"x","age":1}"#)
-                    .expect("state")
-                    .expect("alive")
-            )
-        );
-    }
-
-    #[test]
-    fn schema_optional_properties() {
-        let g = schema_grammar(json!({
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}},
-            "required": ["b"]
-        }));
-        check(
-            &g,
-            &[
-                r#"{"b":1}"#,
-                r#"{"a":1,"b":2}"#,
-                r#"{"b":2,"c":3}"#,
-                r#"{"a":1,"b":2,"c":3}"#,
-            ],
-            &[
-                r#"{}"#,
-                r#"{"a":1}"#,
-                r#"{"a":1,"c":3}"#,
-                r#"{,"b":1}"#,
-                r#"{"b":1,}"#,
-                r#"{"c":3,"b":2}"#,
-            ],
-        );
-        let g = schema_grammar(json!({
-            "type": "object",
-            "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}, "c": {"type": "number"}},
-            "additionalProperties": false
-        }));
-        check(
-            &g,
-            &[
-                "{}",
-                "{ }",
-                r#"{"a":null}"#,
-                r#"{"b":true}"#,
-                r#"{"c":-1.5e+3}"#,
-                r#"{"a":null,"c":0.25}"#,
-                r#"{"a":null,"b":false,"c":1E5}"#,
-            ],
-            &[
-                r#"{,"b":true}"#,
-                r#"{"b":true,}"#,
-                r#"{"b":true"a":null}"#,
-                r#"{"c":1.}"#,
-                r#"{"c":.5}"#,
-            ],
-        );
-    }
-
-    #[test]
-    fn schema_strings_arrays_enums() {
-        let g = schema_grammar(json!({"type": "string", "minLength": 1, "maxLength": 3}));
-        check(
-            &g,
-            &[r#""a""#, r#""abc""#, r#""\n☃""#, r#""\u0041""#],
-            &[r#""""#, r#""abcd""#, r#""\x""#],
-        );
-
-        let g = schema_grammar(
-            json!({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}),
-        );
-        check(
-            &g,
-            &["[1]", "[1, 2,3]", "[ 1 ]"],
-            &["[]", "[1,2,3,4]", "[1,]", "[,1]"],
-        );
-        let g = schema_grammar(json!({"type": "array", "items": {"type": "boolean"}}));
-        check(
-            &g,
-            &["[]", "[true]", "[true,false,true,true]"],
-            &["[true false]"],
-        );
-        let g = schema_grammar(json!({"type": "array", "items": {"type": "null"}, "maxItems": 0}));
-        check(&g, &["[]"], &["[null]"]);
-
-        let g = schema_grammar(json!({"enum": ["red", "a.b*", 3, null, {"k": [1]}]}));
-        check(
-            &g,
-            &[r#""red""#, r#""a.b*""#, "3", "null", r#"{"k":[1]}"#],
-            &[r#""blue""#, r#""aXbb""#, "4"],
-        );
-        let g = schema_grammar(json!({"const": "x|y"}));
-        check(&g, &[r#""x|y""#], &[r#""x""#]);
-
-        let g = schema_grammar(
-            json!({"anyOf": [{"type": "integer"}, {"type": "null"}], "default": null}),
-        );
-        check(&g, &["12", "null"], &["true"]);
-        let g = schema_grammar(json!({"type": ["string", "null"]}));
-        check(&g, &[r#""s""#, "null"], &["1"]);
-        assert_eq!(
-            schema_to_regex(&json!({"type": "boolean"}), Whitespace::Compact).expect("bool"),
-            "(?:true|false)"
-        );
-        assert_eq!(
-            schema_to_regex(
-                &json!({"type": "object", "properties": {"x": {"type": "null"}}, "required": ["x"]}),
-                Whitespace::Compact
-            )
-            .expect("object"),
-            r#"\{[ ]?"x"[ ]?:[ ]?null[ ]?\}"#
-        );
-    }
-
-    #[test]
-    fn schema_whitespace_is_bounded() {
-        let schema = json!({"type": "array", "items": {"type": "integer"}});
-        let bounded = schema_grammar(schema.clone());
-        check(
-            &bounded,
-            &["[\n  1,\n  2\n]", "[\n\n\t\t1]", "[ 1 , 2 ]"],
-            &["[  1]", "[\n\n\n1]", &format!("[\n{}1]", " ".repeat(21))],
-        );
-        let compact = Grammar::json_schema_with(
-            &schema,
-            &byte_vocab(),
-            &GrammarOptions {
-                whitespace: Whitespace::Compact,
-                ..Default::default()
-            },
-        )
-        .expect("compact");
-        check(&compact, &["[1, 2]", "[ 1 ]"], &["[\n1]"]);
-    }
-
-    #[test]
-    fn schema_rejections_name_the_keyword() {
-        let cases = [
-            (json!({"type": "string", "pattern": "a+"}), "`pattern` at #"),
-            (json!({"type": "string", "format": "date"}), "`format`"),
-            (json!({"type": "integer", "minimum": 0}), "`minimum`"),
-            (json!({"$ref": "#/$defs/x"}), "`$ref`"),
-            (json!({"oneOf": [{"type": "null"}]}), "`oneOf`"),
-            (json!({"type": "object"}), "object without properties"),
-            (json!({"type": "array"}), "array without items"),
-            (json!({}), "any value"),
-            (
-                json!({"type": "object", "properties": {"a/b": {"type": "string", "maxLength": 2, "pattern": "x"}}}),
-                "`pattern` at #/properties/a~1b",
-            ),
-            (
-                json!({"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}),
-                "additionalProperties (a schema)",
-            ),
-            (
-                json!({"type": "integer", "anyOf": [{"type": "null"}]}),
-                "type beside anyOf",
-            ),
-        ];
-        for (schema, expected) in cases {
-            let err = schema_to_regex(&schema, Whitespace::Bounded).expect_err(&schema.to_string());
-            assert!(
-                matches!(err, GrammarError::UnsupportedSchema { .. }),
-                "{schema}: {err:?}"
-            );
-            assert!(err.to_string().contains(expected), "{schema}: {err}");
-        }
-        let invalid = [
-            json!({"type": "strin"}),
-            json!({"enum": []}),
-            json!({"type": "string", "minLength": 3, "maxLength": 2}),
-            json!({"type": "array", "items": {"type": "null"}, "minItems": 3, "maxItems": 2}),
-            json!({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]}),
-            json!({"type": "string", "maxLength": -1}),
-            json!(false),
-            json!(3),
-        ];
-        for schema in invalid {
-            let err = schema_to_regex(&schema, Whitespace::Bounded).expect_err(&schema.to_string());
-            assert!(
-                matches!(err, GrammarError::InvalidSchema { .. }),
-                "{schema}: {err:?}"
-            );
-        }
-        let mut deep = json!({"type": "null"});
-        for _ in 0..=MAX_SCHEMA_DEPTH {
-            deep = json!({"type": "array", "items": deep});
-        }
-        let err = schema_to_regex(&deep, Whitespace::Bounded).expect_err("deep");
-        assert!(err.to_string().contains("nested deeper"), "{err}");
-        // 24 nested arrays: 500 bytes of schema that once asked for gigabytes of pattern.
-        let mut wide = json!({"type": "integer"});
-        for _ in 0..24 {
-            wide = json!({"type": "array", "items": wide});
-        }
-        let start = std::time::Instant::now();
-        let err = schema_to_regex(&wide, Whitespace::Bounded).expect_err("wide");
-        assert!(err.to_string().contains("passes"), "{err}");
-        assert!(start.elapsed() < std::time::Duration::from_secs(5));
-    }
-
-    /// A byte-level BPE tokenizer (specials, the 256 byte tokens, a few merges) as a GGUF file
-    /// carries it.
-    fn byte_level_tokenizer() -> Tokenizer {
-        use crate::model::gguf::GgufFile;
-        use crate::model::gguf::test_writer::GgufWriter;
-        let printable = |b: u32| {
-            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
-        };
-        let mut shifted = 0x100;
-        let byte_chars: Vec<String> = (0u32..256)
-            .map(|b| {
-                let c = if printable(b) {
-                    b
-                } else {
-                    shifted += 1;
-                    shifted - 1
-                };
-                char::from_u32(c).expect("char").to_string()
-            })
-            .collect();
-        let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-            .map(String::from)
-            .to_vec();
-        tokens.extend(byte_chars);
-        let merges = ["h e", "l l", "he ll", "hell o", "Ġ hello", "\" :", "Ġ \""];
-        tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
-        let mut types = vec![3; 3];
-        types.resize(tokens.len(), 1);
-        let refs: Vec<&str> = tokens.iter().map(String::as_str).collect();
-        let mut w = GgufWriter::new();
-        w.kv_str("tokenizer.ggml.model", "gpt2")
-            .kv_str_array("tokenizer.ggml.tokens", &refs)
-            .kv_str_array("tokenizer.ggml.merges", &merges)
-            .kv_i32_array("tokenizer.ggml.token_type", &types)
-            .kv_u32("tokenizer.ggml.bos_token_id", 1)
-            .kv_u32("tokenizer.ggml.eos_token_id", 2);
-        let file = GgufFile::from_bytes("tiny.gguf", w.finish()).expect("gguf");
-        Tokenizer::from_gguf(&file).expect("tokenizer")
-    }
-
-    #[test]
-    fn vocab_from_byte_level_tokenizer() {
-        let t = byte_level_tokenizer();
-        let v = TokenVocab::from_tokenizer(&t).expect("vocab");
-        assert_eq!(v.len(), t.vocab_size());
-        let id = |text: &str| t.token_to_id(text).expect(text);
-        assert_eq!(v.token_bytes(id("Ġhello")), Some(&b" hello"[..]));
-        assert_eq!(v.token_bytes(id("Ċ")), Some(&b"\n"[..]));
-        assert_eq!(v.token_bytes(id("\":")), Some(&b"\":"[..]));
-        assert_eq!(v.token_bytes(1), None, "<|im_start|> is special");
-        assert_eq!(v.eos_ids(), [0, 2]);
-    }
-
-    /// Greedy generation over pseudo-random logits that favour whitespace and long tokens:
-    /// whatever the logits, the masked output is valid JSON for the schema.
-    #[test]
-    fn constrained_generation_yields_valid_json() {
-        let t = byte_level_tokenizer();
-        let v = TokenVocab::from_tokenizer(&t).expect("vocab");
-        let schema = json!({
+    fn json_schemas_with_refs_alternatives_patterns_and_bounds() {
+        let v = vocab();
+        let schema = serde_json::json!({
+            "$defs": {"code": {"type": "string", "pattern": "^[a-c]{2}$"}},
             "type": "object",
             "properties": {
-                "greeting": {"type": "string", "maxLength": 12},
-                "count": {"type": "integer"},
-                "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-                "ok": {"type": "boolean"}
+                "code": {"$ref": "#/$defs/code"},
+                "n": {"type": "integer", "minimum": 10, "maximum": 12},
+                "v": {"oneOf": [{"type": "boolean"}, {"type": "null"}]},
+                "extra": {"type": "object", "additionalProperties": {"type": "integer"}}
             },
-            "required": ["greeting", "count"]
+            "required": ["code", "n", "v"],
+            "additionalProperties": false
         });
-        let g = Grammar::json_schema(&schema, &v).expect("grammar");
-        for seed in 0..20u64 {
-            let mut state = g.start();
-            let mut out = Vec::new();
-            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            for _ in 0..400 {
-                let mut logits: Vec<f32> = (0..v.len())
-                    .map(|_| {
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
-                        (rng >> 40) as f32 / (1u64 << 24) as f32
-                    })
-                    .collect();
-                // Make spaces and newlines attractive, to test the whitespace bound.
-                for b in [b" ", b"\n"] {
-                    if let Some(id) = (0..v.len() as u32).find(|&i| v.token_bytes(i) == Some(b)) {
-                        logits[id as usize] += 0.6;
-                    }
+        let g = Grammar::json_schema(&schema, &v).unwrap();
+        assert!(g.accepts(br#"{"code": "ab", "n": 11, "v": true}"#));
+        assert!(g.accepts(br#"{"code": "ca", "n": 12, "v": null, "extra": {"k": 3}}"#));
+        assert!(
+            !g.accepts(br#"{"code": "zz", "n": 11, "v": true}"#),
+            "pattern"
+        );
+        assert!(
+            !g.accepts(br#"{"code": "ab", "n": 13, "v": true}"#),
+            "maximum"
+        );
+        assert!(!g.accepts(br#"{"code": "ab", "n": 11, "v": 1}"#), "oneOf");
+        assert!(!g.accepts(br#"{"code": "ab", "n": 11}"#), "required");
+        assert!(
+            !g.accepts(br#"{"code":"ab","n":11,"v":true}"#),
+            "fixed separators"
+        );
+    }
+
+    #[test]
+    fn lark_grammars() {
+        let v = vocab();
+        let g = Grammar::lark(
+            "start: answer \", \" count\nanswer: \"yes\" | \"no\"\ncount: /[0-9]+/\n",
+            &v,
+        )
+        .unwrap();
+        assert!(g.accepts(b"yes, 12") && g.accepts(b"no, 7"));
+        assert!(!g.accepts(b"yes 12") && !g.accepts(b"maybe, 1"));
+        let e = Grammar::lark("start: undefined_rule\n", &v).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                GrammarError::Invalid {
+                    kind: "Lark grammar",
+                    ..
                 }
-                g.mask(state, &mut logits).expect("something is allowed");
-                let best = (0..logits.len())
-                    .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
-                    .expect("non-empty") as u32;
-                state = g.advance(state, best).expect("masked choice is allowed");
-                if v.eos_ids().contains(&best) {
-                    break;
-                }
-                out.extend_from_slice(v.token_bytes(best).expect("bytes"));
-                if g.is_exhausted(state) {
-                    break;
-                }
-            }
-            assert!(
-                g.is_complete(state),
-                "seed {seed}: {}",
-                String::from_utf8_lossy(&out)
-            );
-            let value: Value = serde_json::from_slice(&out)
-                .unwrap_or_else(|e| panic!("seed {seed}: {e}: {}", String::from_utf8_lossy(&out)));
-            let object = value.as_object().expect("object");
-            assert!(object["greeting"].as_str().expect("string").chars().count() <= 12);
-            assert!(object["count"].is_i64());
-            let keys: Vec<&str> = object.keys().map(String::as_str).collect();
-            let declared = ["greeting", "count", "tags", "ok"];
-            assert!(
-                keys.iter().all(|k| declared.contains(k))
-                    && keys.windows(2).all(|w| {
-                        declared.iter().position(|d| *d == w[0])
-                            < declared.iter().position(|d| *d == w[1])
-                    }),
-                "seed {seed}: {keys:?}"
-            );
+            ),
+            "{e}"
+        );
+    }
+
+    /// Hostile grammars end in errors (or compile, bounded), never in a hang or a crash: 24
+    /// nested arrays (which once made a regex of gigabytes), a schema that is not a schema, a
+    /// pattern of exploding repetitions, text over the size limit.
+    #[test]
+    fn hostile_grammars_are_bounded() {
+        let v = vocab();
+        let start = std::time::Instant::now();
+        let mut nested = serde_json::json!({"type": "integer"});
+        for _ in 0..24 {
+            nested = serde_json::json!({"type": "array", "items": nested});
         }
+        let g = Grammar::json_schema(&nested, &v).unwrap();
+        assert!(g.accepts(format!("{}12{}", "[".repeat(24), "]".repeat(24)).as_bytes()));
+        assert!(Grammar::json_schema(&serde_json::json!({"type": 7}), &v).is_err());
+        let _ = Grammar::regex("((a{1,100}){1,100}){1,100}", &v);
+        let huge = "a".repeat(MAX_GRAMMAR_BYTES + 1);
+        assert!(matches!(
+            Grammar::regex(&huge, &v),
+            Err(GrammarError::TooLarge { .. })
+        ));
+        assert!(start.elapsed() < std::time::Duration::from_secs(20));
+    }
+
+    #[test]
+    fn states_are_independent() {
+        let v = vocab();
+        let g = Grammar::regex("yes|no", &v).unwrap();
+        let mut a = g.start();
+        let b = a.clone();
+        g.advance(&mut a, token(&v, "yes")).unwrap();
+        let mut b = b;
+        assert!(g.is_complete(&mut a) && !g.is_complete(&mut b));
     }
 }

@@ -148,7 +148,7 @@ pub fn generate_constrained(
     let mut logits = decoder.forward_last(prompt)?;
     let mut first = None;
     for i in 0..max_tokens {
-        if let (Some(g), Some(s)) = (grammar, state) {
+        if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
             g.mask(s, &mut logits).map_err(grammar_error)?;
         }
         let next = sampler
@@ -162,11 +162,13 @@ pub fn generate_constrained(
             break;
         }
         if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-            *s = g.advance(*s, next).map_err(grammar_error)?;
+            g.advance(s, next).map_err(grammar_error)?;
         }
         stats.generated += 1;
         history.push(next);
-        let exhausted = grammar.zip(state).is_some_and(|(g, s)| g.is_exhausted(s));
+        let exhausted = grammar
+            .zip(state.as_ref())
+            .is_some_and(|(g, s)| g.is_exhausted(s));
         if !on_token(next) || exhausted || i + 1 == max_tokens {
             break;
         }

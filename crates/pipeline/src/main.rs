@@ -110,11 +110,14 @@ enum Cmd {
         #[arg(long, default_value_t = 0x5eed)]
         seed: u64,
         /// Constrain the completion to this regular expression.
-        #[arg(long, conflicts_with = "json_schema")]
+        #[arg(long, conflicts_with_all = ["json_schema", "grammar"])]
         regex: Option<String>,
         /// Constrain the completion to this JSON schema (a file).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "grammar")]
         json_schema: Option<PathBuf>,
+        /// Constrain the completion to this Lark grammar (a .lark file, llguidance's dialect).
+        #[arg(long)]
+        grammar: Option<PathBuf>,
     },
     /// Perplexity of a text file, by llama.cpp's method (comparable with llama-perplexity).
     Perplexity {
@@ -254,6 +257,9 @@ struct RunArgs {
     /// Constrain every reply to this JSON schema (a file).
     #[arg(long)]
     json_schema: Option<PathBuf>,
+    /// Constrain every reply to this Lark grammar (a .lark file, llguidance's dialect).
+    #[arg(long)]
+    grammar: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -304,6 +310,7 @@ impl RunArgs {
             seed: self.seed,
             regex: self.regex.clone(),
             json_schema: self.json_schema.clone(),
+            grammar: self.grammar.clone(),
             ..ChainSpec::default()
         };
         Ok(base.overlay(flags))
@@ -590,17 +597,24 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             seed,
             regex,
             json_schema,
+            grammar,
         } => {
             let (mut decoder, tokenizer) = model.open(1)?;
-            let grammar = match (&tokenizer, regex.is_some() || json_schema.is_some()) {
+            let grammar = match (
+                &tokenizer,
+                regex.is_some() || json_schema.is_some() || grammar.is_some(),
+            ) {
                 (_, false) => None,
                 (None, true) => {
                     return Err("a grammar needs the model's tokenizer (its token bytes)".into());
                 }
-                (Some(tok), true) => {
-                    pipeline::grammar::from_request(regex.as_deref(), json_schema.as_deref(), tok)
-                        .map_err(|e| e.to_string())?
-                }
+                (Some(tok), true) => pipeline::grammar::from_request(
+                    regex.as_deref(),
+                    json_schema.as_deref(),
+                    grammar.as_deref(),
+                    tok,
+                )
+                .map_err(|e| e.to_string())?,
             };
             let ids = match (&prompt_ids, &prompt) {
                 (Some(ids), _) => pipeline::llm::parse_ids(ids)?,

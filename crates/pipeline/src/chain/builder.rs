@@ -160,6 +160,8 @@ pub struct ChainSpec {
     pub regex: Option<String>,
     /// Constrain replies to a JSON schema (a file).
     pub json_schema: Option<PathBuf>,
+    /// Constrain replies to a Lark grammar (a file, llguidance's dialect).
+    pub grammar: Option<PathBuf>,
     pub synthetic: SyntheticTower,
     /// Run the tower at another square input size than its native one (a multiple of the patch
     /// size); the position grid follows SmolVLM's own bucketing.
@@ -206,6 +208,7 @@ impl ChainSpec {
             seed,
             regex,
             json_schema,
+            grammar,
             image_size
         );
         if other.isp != Placement::Auto {
@@ -466,6 +469,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
     let grammar = crate::grammar::from_request(
         spec.regex.as_deref(),
         spec.json_schema.as_deref(),
+        spec.grammar.as_deref(),
         &tokenizer,
     )?;
     let sampling = SamplingParams {

@@ -693,7 +693,7 @@ impl DecoderStage for NpuDecoder {
         let mut state = self.grammar.as_ref().map(|g| g.start());
         let mut first_token = None;
         for i in 0..self.max_tokens {
-            if let (Some(g), Some(s)) = (&self.grammar, state) {
+            if let (Some(g), Some(s)) = (&self.grammar, state.as_mut()) {
                 g.mask(s, &mut logits)?;
             }
             let next = sampler.sample(&mut logits, &history)?;
@@ -705,7 +705,7 @@ impl DecoderStage for NpuDecoder {
                 break;
             }
             if let (Some(g), Some(s)) = (&self.grammar, state.as_mut()) {
-                *s = g.advance(*s, next)?;
+                g.advance(s, next)?;
             }
             reply.tokens += 1;
             history.push(next);
@@ -714,6 +714,7 @@ impl DecoderStage for NpuDecoder {
                 break;
             }
             let done = state
+                .as_ref()
                 .zip(self.grammar.as_ref())
                 .is_some_and(|(s, g)| g.is_exhausted(s));
             if done || i + 1 == self.max_tokens {
