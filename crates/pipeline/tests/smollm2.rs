@@ -95,3 +95,66 @@ fn default_mx_policy_perplexity_is_within_ten_percent_of_q4_1() {
     let p = ppl("default");
     assert!(p <= LLAMA_CPP_PPL * 1.10, "default-policy perplexity {p}");
 }
+
+/// The `exact` policy's logits against llama.cpp's, bit for bit: every position of the README's
+/// prompt, each row's little-endian f32 bytes hashed as `fixtures/llama-cpp-logits/make.py`
+/// (llama-cpp-python 0.3.36, CPU, flash attention on) hashed llama.cpp's. On a mismatch the
+/// last row is compared value by value to say how far off it is.
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
+    use sha2::{Digest, Sha256};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama-cpp-logits");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+            .unwrap();
+    let (mut d, tok) = open("exact");
+    let prompt = expected["prompt"].as_str().unwrap();
+    let tokens: Vec<u32> = expected["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(tok.encode(prompt, false).unwrap(), tokens, "tokenization");
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    d.forward(&tokens, 0..tokens.len(), |_, l| rows.push(l.to_vec()))
+        .unwrap();
+    let want: Vec<&str> = expected["row_sha256"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_str().unwrap())
+        .collect();
+    let hex = |row: &[f32]| -> String {
+        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let last: Vec<f32> = std::fs::read(dir.join("last_row.f32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let ours = rows.last().unwrap();
+    let max_diff = ours
+        .iter()
+        .zip(&last)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let differing: Vec<usize> = rows
+        .iter()
+        .zip(&want)
+        .enumerate()
+        .filter(|(_, (row, h))| hex(row) != **h)
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "positions {differing:?} of {} differ from llama.cpp's logits; last row max |diff| {max_diff}",
+        rows.len()
+    );
+    assert_eq!(max_diff, 0.0);
+}
