@@ -102,6 +102,7 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    quiet_wayland_probe();
     let cli = Cli::parse();
     let root = workspace_root();
     let result: Result<(), Box<dyn std::error::Error>> = match cli.command {
@@ -141,6 +142,30 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Mesa's Vulkan drivers load their Wayland window-system support when an instance is created,
+/// and libwayland prints "error: XDG_RUNTIME_DIR is invalid or not set" on a headless machine
+/// that has none, although no window is ever opened. A private empty runtime directory (mode
+/// 0700, `uvm-xdg-runtime` under the system temp dir) makes that probe fail quietly; it is set here, for this
+/// process and the `pipeline` runs it starts, only when the variable is unset or invalid.
+fn quiet_wayland_probe() {
+    use std::os::unix::fs::PermissionsExt;
+    let valid = std::env::var_os("XDG_RUNTIME_DIR")
+        .is_some_and(|d| Path::new(&d).is_absolute() && Path::new(&d).is_dir());
+    if valid {
+        return;
+    }
+    // One directory, reused: it stays empty (nothing ever listens there).
+    let dir = std::env::temp_dir().join("uvm-xdg-runtime");
+    if std::fs::create_dir_all(&dir).is_err()
+        || std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).is_err()
+    {
+        return;
+    }
+    // SAFETY: called first thing in `main`, before this process starts any thread, so nothing
+    // reads the environment concurrently.
+    unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
 }
 
 /// The workspace root: the parent of this crate's manifest directory.

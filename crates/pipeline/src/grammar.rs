@@ -416,20 +416,46 @@ impl Grammar {
             .compute_mask_or_eos()
             .map_err(|e| GrammarError::Engine(e.to_string()))?;
         let eos_allowed = mask.is_allowed(self.vocab.inner.trie_eos);
-        let vocab_size = self.vocab.len();
+        let vocab_size = self.vocab.len().min(logits.len());
+        let (ids, beyond) = logits.split_at_mut(vocab_size);
+        beyond.fill(f32::NEG_INFINITY);
+        // The model's logits of the end-of-generation ids, restored below where ending is
+        // allowed (the trie knows only one of them; the others are special tokens to it).
+        let eos_logits: Vec<(u32, f32)> = self
+            .vocab
+            .inner
+            .eos
+            .iter()
+            .filter_map(|&e| ids.get(e as usize).map(|&v| (e, v)))
+            .collect();
+        // A word of the mask at a time: all-clear words (most of them at structural points)
+        // cost one fill, all-set words nothing.
         let mut allowed = 0;
-        for (id, logit) in logits.iter_mut().enumerate() {
-            let id = id as u32;
-            let ok = (id as usize) < vocab_size
-                && if self.vocab.is_eos(id) {
-                    eos_allowed
-                } else {
-                    mask.is_allowed(id)
-                };
-            if ok {
+        for (chunk, &word) in ids.chunks_mut(32).zip(mask.as_slice()) {
+            match word {
+                0 => chunk.fill(f32::NEG_INFINITY),
+                u32::MAX if chunk.len() == 32 => allowed += 32,
+                _ => {
+                    for (bit, logit) in chunk.iter_mut().enumerate() {
+                        if word & (1 << bit) != 0 {
+                            allowed += 1;
+                        } else {
+                            *logit = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+        // End-of-generation ids: all of them exactly when the text is complete.
+        for (eos, value) in eos_logits {
+            let was = mask.is_allowed(eos);
+            let logit = &mut ids[eos as usize];
+            if eos_allowed && !was {
+                *logit = value;
                 allowed += 1;
-            } else {
+            } else if !eos_allowed && was {
                 *logit = f32::NEG_INFINITY;
+                allowed -= 1;
             }
         }
         if allowed == 0 {
@@ -553,6 +579,10 @@ mod tests {
         }
         assert!(g.is_complete(&mut s));
         assert_eq!(allowed(&g, &mut s), [eos]);
+        // The model's logit of an allowed end-of-generation id is kept, not replaced.
+        let mut logits = vec![3.5; v.len()];
+        assert_eq!(g.mask(&mut s, &mut logits).unwrap(), 1);
+        assert_eq!(logits[eos as usize], 3.5);
         assert!(matches!(
             g.advance(&mut s, b'3' as u32),
             Err(GrammarError::TokenNotAllowed { .. })

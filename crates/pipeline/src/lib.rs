@@ -13,7 +13,8 @@
 //!   [`chain::DecoderStage`], with isp-v4l2's `FrameSource`), their CPU and GPU implementations,
 //!   and [`chain::run`], which overlaps them on timeline-driven rings of unified buffers and
 //!   reports per-stage latency, drops, tokens/s, copies and a Chrome trace.
-//! - [`grammar`]: grammar-constrained sampling (a regular expression or a JSON schema).
+//! - [`grammar`]: grammar-constrained sampling on llguidance (a regular expression, a JSON
+//!   schema or a Lark grammar).
 //! - The `pipeline` binary: `run`, `isp`, `generate`, `perplexity`, `bench`, `encode`,
 //!   `devices`.
 //!
@@ -26,7 +27,10 @@
 //! Denied at the root; the exceptions are the `mmap` of a model file in [`model`] and of the
 //! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept, and the
 //! single-producer single-consumer slots of [`chain::ring`], whose exclusive access the
-//! timelines order, and the token that enables wgpu's experimental cooperative matrices in
+//! timelines order (a slot is written only with the `Reservation` its `reserve` returned), the
+//! GPU stages' imports of ring buffers and frames (`uvm_alloc::vulkan::import_wgpu_buffer`,
+//! whose CPU-guard contract the ring's hand-offs keep), the staged completion signal in
+//! [`chain::GpuContext`], and the token that enables wgpu's experimental cooperative matrices in
 //! [`vision_gpu::device_descriptor`].
 
 #![deny(unsafe_code)]

@@ -106,8 +106,7 @@ fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
     use sha2::{Digest, Sha256};
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama-cpp-logits");
     let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let (mut d, tok) = open("exact");
     let prompt = expected["prompt"].as_str().unwrap();
     let tokens: Vec<u32> = expected["tokens"]
