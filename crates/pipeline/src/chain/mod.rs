@@ -358,11 +358,18 @@ pub fn run(
                     report.frames_decoded += 1;
                     report.tokens += generation.tokens as u64;
                     report.decode_time += generation.decode_time;
-                    report
-                        .ttft_ms
-                        .push(generation.time_to_first_token.as_secs_f64() * 1e3);
-                    report.latency.decoder.push(ms(elapsed));
-                    report.latency.end_to_end.push(ms(item.captured.elapsed()));
+                    let n = report.frames_decoded;
+                    record(
+                        &mut report.ttft_ms,
+                        n,
+                        generation.time_to_first_token.as_secs_f64() * 1e3,
+                    );
+                    record(&mut report.latency.decoder, n, ms(elapsed));
+                    record(
+                        &mut report.latency.end_to_end,
+                        n,
+                        ms(item.captured.elapsed()),
+                    );
                     report.kv_utilisation = report.kv_utilisation.max(decoder.kv_utilisation());
                     on_event(Event::FrameDone {
                         frame: item.frame,
@@ -447,6 +454,28 @@ pub fn run(
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// The most latency samples a series keeps: a stream that runs for days must not grow its
+/// report without bound. Up to here every sample is kept (percentiles are exact); past it,
+/// reservoir sampling keeps a uniform sample of them all.
+pub const MAX_LATENCY_SAMPLES: usize = 65_536;
+
+/// Records the `n`-th value (1-based) of a series into `samples` (see [`MAX_LATENCY_SAMPLES`]).
+fn record(samples: &mut Vec<f64>, n: u64, value: f64) {
+    if samples.len() < MAX_LATENCY_SAMPLES {
+        samples.push(value);
+        return;
+    }
+    // Algorithm R with a splitmix64 hash of `n` as its random draw: deterministic per run.
+    let mut z = n.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let j = (z % n.max(1)) as usize;
+    if let Some(slot) = samples.get_mut(j) {
+        *slot = value;
+    }
 }
 
 #[derive(Debug, Default)]
@@ -580,7 +609,7 @@ where
         let elapsed = start.elapsed();
         log.span(span, Some(frame), start, elapsed);
         counts.done += 1;
-        counts.latency_ms.push(ms(elapsed));
+        record(&mut counts.latency_ms, counts.done, ms(elapsed));
         let value = tx.publish(slot, item);
         log.signal(tx.name(), value, Some(frame));
     }
@@ -630,7 +659,7 @@ fn pump_buffers(
         let elapsed = start.elapsed();
         log.span("encode", Some(item.frame), start, elapsed);
         counts.done += 1;
-        counts.latency_ms.push(ms(elapsed));
+        record(&mut counts.latency_ms, counts.done, ms(elapsed));
     }
 }
 
@@ -715,5 +744,30 @@ impl RunReport {
             "interrupted": self.interrupted,
             "failure": self.failure.as_ref().map(|f| f.to_string()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A series keeps every sample up to the cap, then stays at the cap with a sample spread
+    /// over the whole run (not only its start).
+    #[test]
+    fn latency_series_are_bounded() {
+        let mut samples = Vec::new();
+        let total = 3 * MAX_LATENCY_SAMPLES as u64;
+        for n in 1..=total {
+            record(&mut samples, n, n as f64);
+        }
+        assert_eq!(samples.len(), MAX_LATENCY_SAMPLES);
+        let late = samples
+            .iter()
+            .filter(|&&v| v > 2.0 * MAX_LATENCY_SAMPLES as f64)
+            .count();
+        // About a third of a uniform sample comes from the last third of the run.
+        assert!(late > MAX_LATENCY_SAMPLES / 4, "{late}");
+        let median = percentile(&samples, 50.0);
+        assert!((median / (total as f64 / 2.0) - 1.0).abs() < 0.05, "{median}");
     }
 }
