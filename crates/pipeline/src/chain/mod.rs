@@ -768,6 +768,9 @@ mod tests {
         // About a third of a uniform sample comes from the last third of the run.
         assert!(late > MAX_LATENCY_SAMPLES / 4, "{late}");
         let median = percentile(&samples, 50.0);
-        assert!((median / (total as f64 / 2.0) - 1.0).abs() < 0.05, "{median}");
+        assert!(
+            (median / (total as f64 / 2.0) - 1.0).abs() < 0.05,
+            "{median}"
+        );
     }
 }

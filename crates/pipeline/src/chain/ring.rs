@@ -76,16 +76,24 @@ impl<T> Shared<T> {
 
 /// The right to write and publish one item: made only by [`Producer::reserve`], spent by
 /// [`Producer::publish`], so safe code cannot publish into a slot the consumer may still read.
-#[derive(Debug)]
 #[must_use = "a reservation is published with Producer::publish"]
-pub struct Reservation {
-    /// The ring's shared state, as an address (identity only).
-    ring: usize,
+pub struct Reservation<T> {
+    /// The ring it was made on (held, so its identity cannot be reused by another ring).
+    ring: Arc<Shared<T>>,
     index: u64,
     buffer: Option<Arc<UnifiedBuffer>>,
 }
 
-impl Reservation {
+impl<T> std::fmt::Debug for Reservation<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation")
+            .field("ring", &self.ring.name)
+            .field("index", &self.index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> Reservation<T> {
     /// The slot's buffer, for the producer to write (rings without buffers have none).
     pub fn buffer(&self) -> Option<&Arc<UnifiedBuffer>> {
         self.buffer.as_ref()
@@ -182,14 +190,14 @@ impl<T> Producer<T> {
     /// Waits until the next item's slot is free and hands it over as a [`Reservation`] (with
     /// the slot's buffer, if the ring has buffers): the producer may now write it, and
     /// publishes it by giving the reservation back to [`Producer::publish`].
-    pub fn reserve(&mut self) -> Result<Reservation, Ended> {
+    pub fn reserve(&mut self) -> Result<Reservation<T>, Ended> {
         self.shared.wait(&self.shared.freed, self.free_value())?;
         if self.shared.abandoned.load(Ordering::SeqCst) {
             return Err(Ended::Closed);
         }
         let depth = self.shared.slots.len() as u64;
         Ok(Reservation {
-            ring: Arc::as_ptr(&self.shared).cast::<()>() as usize,
+            ring: Arc::clone(&self.shared),
             index: self.next,
             buffer: self
                 .shared
@@ -205,9 +213,9 @@ impl<T> Producer<T> {
     /// # Panics
     /// If `slot` was reserved on another ring, or is stale (an item was published since it
     /// was reserved): both are bugs in the caller, and publishing then could race the consumer.
-    pub fn publish(&mut self, slot: Reservation, record: T) -> u64 {
+    pub fn publish(&mut self, slot: Reservation<T>, record: T) -> u64 {
         assert!(
-            slot.ring == Arc::as_ptr(&self.shared).cast::<()>() as usize && slot.index == self.next,
+            Arc::ptr_eq(&slot.ring, &self.shared) && slot.index == self.next,
             "ring {}: publish with a reservation of another ring or item",
             self.shared.name
         );
