@@ -263,6 +263,7 @@ struct Planned {
 impl Planned {
     fn to_json(&self) -> Value {
         json!({
+            "package": self.test.package,
             "name": self.test.name,
             "executable": self.executable,
             "cwd": self.cwd,
@@ -550,9 +551,18 @@ fn guest(plan_path: &Path, default_timeout: Duration) -> Result<(), Box<dyn std:
         .map_or(default_timeout, Duration::from_secs);
     let mut results = std::fs::File::create(dir.join("results.jsonl"))?;
     for entry in plan["tests"].as_array().ok_or("the plan lists no tests")? {
-        let name = entry["name"].as_str().unwrap_or("");
-        let Some(test) = TESTS.iter().find(|t| t.name == name) else {
-            return Err(format!("the plan names {name}, which this build does not list").into());
+        let (package, name) = (
+            entry["package"].as_str().unwrap_or(""),
+            entry["name"].as_str().unwrap_or(""),
+        );
+        let Some(test) = TESTS
+            .iter()
+            .find(|t| t.package == package && t.name == name)
+        else {
+            return Err(format!(
+                "the plan names {package}::{name}, which this build does not list"
+            )
+            .into());
         };
         let planned = Planned {
             test: *test,
@@ -710,6 +720,20 @@ mod tests {
             package_name("path+file:///w/crates/x#uvm-alloc@0.1.0", dir),
             "uvm-alloc"
         );
+    }
+
+    /// The guest finds a planned test by package and name: each pair names one test.
+    #[test]
+    fn listed_tests_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for t in TESTS {
+            assert!(
+                seen.insert((t.package, t.name)),
+                "{}::{} twice",
+                t.package,
+                t.name
+            );
+        }
     }
 
     /// A test the guest never reported is a failure, never silently missing.

@@ -300,6 +300,9 @@ impl Lab {
     }
 
     /// The guest's `/init`: load modules, mount the host root under an overlay, run the plan.
+    /// Nothing is mounted over the host's directories but `/proc`, `/sys` and `/dev` (the
+    /// overlay's tmpfs upper already makes `/tmp` writable): the workspace, and so the run
+    /// directory, may live anywhere, `/tmp` included.
     fn init_script(&self, run: &Path, xtask: &Path, modules: &[Module]) -> String {
         let mut s = String::from(
             "#!/bin/busybox sh\n\
@@ -325,8 +328,6 @@ impl Lab {
              mount -t proc proc /newroot/proc\n\
              mount -t sysfs sysfs /newroot/sys\n\
              mount -t devtmpfs devtmpfs /newroot/dev\n\
-             mount -t tmpfs tmpfs /newroot/tmp\n\
-             mount -t tmpfs tmpfs /newroot/run\n\
              mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 labout /newroot{run} || exec poweroff -f\n\
              echo \"lab: modules loaded, host root mounted; running the plan\"\n\
              chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin \
