@@ -10,7 +10,7 @@
 //!   table of our own, and every state from which no accepting state can be reached is merged
 //!   into the dead state. So "not dead" means exactly "still a prefix of some match": the raw
 //!   DFA reports a match one byte late and keeps states that can no longer match.
-//! - Tokens are the bytes they stand for ([`pipeline::model::tokenizer::Tokenizer::token_bytes`]),
+//! - Tokens are the bytes they stand for (`pipeline::model::tokenizer::Tokenizer::token_bytes`),
 //!   sorted once into a byte trie laid out in preorder. A mask step walks that array from the
 //!   current state, skipping a whole subtree at the first byte that dies, so it costs one table
 //!   lookup per trie node whose prefix is still alive: a few hundred at structural JSON
@@ -46,8 +46,6 @@ use regex_automata::util::primitives::StateID;
 use regex_automata::util::{start, syntax};
 use regex_automata::{Anchored, MatchKind};
 use serde_json::Value;
-
-use pipeline::model::tokenizer::Tokenizer;
 
 /// Deepest nesting of a JSON schema (objects, arrays, anyOf) that is converted.
 pub const MAX_SCHEMA_DEPTH: usize = 32;
@@ -154,12 +152,6 @@ pub enum GrammarError {
          start() and advance()"
     )]
     ForeignState,
-    /// The tokenizer spells no token as bytes.
-    #[error(
-        "the tokenizer spells no token as bytes (its decoder is neither byte-level BPE nor \
-         SentencePiece), so no grammar can constrain it"
-    )]
-    NoTokenBytes,
 }
 
 /// How much whitespace a JSON schema grammar allows between tokens (after `{`, `[`, `,`, `:`
@@ -347,26 +339,6 @@ impl TokenVocab {
                 max_depth,
             }),
         }
-    }
-
-    /// The vocabulary of `tokenizer`: [`Tokenizer::token_bytes`] of every id, and its
-    /// [`Tokenizer::stop_ids`] as the end-of-generation ids.
-    ///
-    /// # Errors
-    /// [`GrammarError::NoTokenBytes`] when the tokenizer spells no token as bytes (a decoder
-    /// other than byte-level BPE or SentencePiece).
-    pub fn from_tokenizer(tokenizer: &Tokenizer) -> Result<Self, GrammarError> {
-        let tokens: Vec<Option<Vec<u8>>> = (0..tokenizer.vocab_size())
-            .map(|id| {
-                u32::try_from(id)
-                    .ok()
-                    .and_then(|id| tokenizer.token_bytes(id))
-            })
-            .collect();
-        if tokens.iter().all(Option::is_none) {
-            return Err(GrammarError::NoTokenBytes);
-        }
-        Ok(Self::new(tokens, tokenizer.stop_ids()))
     }
 
     /// Number of ids.

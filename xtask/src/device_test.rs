@@ -281,7 +281,7 @@ pub(crate) fn run(root: &Path, options: &Options) -> Result<(), Box<dyn std::err
     std::fs::create_dir_all(&target)?;
     let (environment, report, results) = if options.vm {
         let lab = crate::vm::Lab::prepare(root)?;
-        let out = lab.run_plan(root, &plan_json(&plan, options.test_timeout))?;
+        let out = lab.run_plan(&plan_json(&plan, options.test_timeout))?;
         let results = merge_guest_results(&plan, &out.results);
         (out.environment, out.devices, results)
     } else {
@@ -437,6 +437,11 @@ fn run_one(report: &Value, planned: &Planned, timeout: Duration) -> Value {
         }
     };
     println!("{status:12} {}::{} ({detail})", t.package, t.name);
+    result_json(t, status, &detail, seconds)
+}
+
+/// One result as the report records it.
+fn result_json(t: &HardwareTest, status: &str, detail: &str, seconds: f64) -> Value {
     json!({
         "package": t.package,
         "test": t.name,
@@ -586,14 +591,12 @@ fn merge_guest_results(plan: &[Planned], reported: &[Value]) -> Vec<Value> {
                 .find(|r| r["test"] == p.test.name && r["package"] == p.test.package)
                 .cloned()
                 .unwrap_or_else(|| {
-                    json!({
-                        "package": p.test.package,
-                        "test": p.test.name,
-                        "need": p.test.needs.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join("+"),
-                        "status": "failed",
-                        "detail": "the VM ended before this test reported (see target/vm/console.log)",
-                        "seconds": 0.0,
-                    })
+                    result_json(
+                        &p.test,
+                        "failed",
+                        "the VM ended before this test reported (see target/vm/console.log)",
+                        0.0,
+                    )
                 })
         })
         .collect()

@@ -111,7 +111,7 @@ impl Lab {
 
     /// Boots the guest on `plan` (written to `target/vm/run/plan.json`), streams its console,
     /// and collects what the guest half wrote.
-    pub(crate) fn run_plan(&self, _root: &Path, plan: &Value) -> Result<GuestOutput> {
+    pub(crate) fn run_plan(&self, plan: &Value) -> Result<GuestOutput> {
         let run = self.dir.join("run");
         let _ = std::fs::remove_dir_all(&run);
         std::fs::create_dir_all(&run)?;
@@ -390,7 +390,7 @@ fn ensure_host_packages() -> Result<()> {
         return Ok(());
     }
     println!("installing {} (apt-get)", missing.join(" "));
-    let root = rustix_is_root();
+    let root = running_as_root();
     let apt = |args: &[&str]| -> Result<()> {
         let mut cmd = if root {
             Command::new("apt-get")
@@ -416,7 +416,7 @@ fn ensure_host_packages() -> Result<()> {
     apt(&args)
 }
 
-fn rustix_is_root() -> bool {
+fn running_as_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
         s.lines()
             .find(|l| l.starts_with("Uid:"))

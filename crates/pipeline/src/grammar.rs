@@ -381,23 +381,24 @@ impl Grammar {
         if token as usize >= vocab_size {
             return Err(GrammarError::TokenOutOfVocab { token, vocab_size });
         }
-        let id = if self.vocab.is_eos(token) {
+        let eos = self.vocab.is_eos(token);
+        if eos && state.matcher.is_stopped() {
+            // The text is complete and the grammar has stopped: ending it is what is left.
+            return Ok(());
+        }
+        let id = if eos {
             self.vocab.inner.trie_eos
         } else {
             token
         };
-        // A token the mask refuses is refused here too, before llguidance sees it.
-        let mask = state
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| GrammarError::Engine(e.to_string()))?;
-        if !mask.is_allowed(id) {
-            return Err(GrammarError::TokenNotAllowed { token });
+        // One check and step: llguidance validates the token against the parser (no full mask
+        // is computed here; the caller's `mask` already did that) and consumes it only if it
+        // can continue, so a refused token leaves the state as it was.
+        match state.matcher.try_consume_tokens(&[id]) {
+            Ok(1) => Ok(()),
+            Ok(_) => Err(GrammarError::TokenNotAllowed { token }),
+            Err(e) => Err(GrammarError::Engine(e.to_string())),
         }
-        state
-            .matcher
-            .consume_token(id)
-            .map_err(|_| GrammarError::TokenNotAllowed { token })
     }
 
     /// Sets every logit the grammar does not allow in `state` to `-inf` and returns how many
@@ -421,13 +422,17 @@ impl Grammar {
         beyond.fill(f32::NEG_INFINITY);
         // The model's logits of the end-of-generation ids, restored below where ending is
         // allowed (the trie knows only one of them; the others are special tokens to it).
-        let eos_logits: Vec<(u32, f32)> = self
-            .vocab
-            .inner
-            .eos
-            .iter()
-            .filter_map(|&e| ids.get(e as usize).map(|&v| (e, v)))
-            .collect();
+        // (Saved only when ending is allowed, so a mask step inside the text allocates nothing.)
+        let eos_logits: Vec<(u32, f32)> = if eos_allowed {
+            self.vocab
+                .inner
+                .eos
+                .iter()
+                .filter_map(|&e| ids.get(e as usize).map(|&v| (e, v)))
+                .collect()
+        } else {
+            Vec::new()
+        };
         // A word of the mask at a time: all-clear words (most of them at structural points)
         // cost one fill, all-set words nothing.
         let mut allowed = 0;
@@ -447,15 +452,21 @@ impl Grammar {
             }
         }
         // End-of-generation ids: all of them exactly when the text is complete.
-        for (eos, value) in eos_logits {
-            let was = mask.is_allowed(eos);
-            let logit = &mut ids[eos as usize];
-            if eos_allowed && !was {
-                *logit = value;
-                allowed += 1;
-            } else if !eos_allowed && was {
-                *logit = f32::NEG_INFINITY;
-                allowed -= 1;
+        if eos_allowed {
+            for (eos, value) in eos_logits {
+                if !mask.is_allowed(eos) {
+                    ids[eos as usize] = value;
+                    allowed += 1;
+                }
+            }
+        } else {
+            for &eos in &self.vocab.inner.eos {
+                if mask.is_allowed(eos)
+                    && let Some(logit) = ids.get_mut(eos as usize)
+                {
+                    *logit = f32::NEG_INFINITY;
+                    allowed -= 1;
+                }
             }
         }
         if allowed == 0 {

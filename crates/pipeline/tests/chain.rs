@@ -28,29 +28,10 @@ fn ledger_lock() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
-}
+mod common;
 
-/// The tiny SmolVLM checkpoint with the fixture tokenizer beside it, as one directory.
 fn tiny_vlm() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("tiny-smolvlm-with-tokenizer");
-    std::fs::create_dir_all(&dir).unwrap();
-    for (from, name) in [
-        ("tiny-smolvlm/hf/config.json", "config.json"),
-        ("tiny-smolvlm/hf/model.safetensors", "model.safetensors"),
-        ("tiny-smolvlm/tokenizer/tokenizer.json", "tokenizer.json"),
-        (
-            "tiny-smolvlm/tokenizer/tokenizer_config.json",
-            "tokenizer_config.json",
-        ),
-    ] {
-        let to = dir.join(name);
-        if !to.exists() {
-            std::os::unix::fs::symlink(fixtures().join(from).canonicalize().unwrap(), &to).unwrap();
-        }
-    }
-    dir
+    common::tiny_vlm("tiny-smolvlm-with-tokenizer")
 }
 
 fn ci() -> bool {

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 const ADDRESS_SPACE_KIB: u64 = 2 << 20;
 const TIME_LIMIT: Duration = Duration::from_secs(20);
 
+mod common;
+
 fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures")
-        .join(rel)
+    common::fixtures().join(rel)
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -64,27 +64,6 @@ fn refuses(args: &[&str], expect: &[&str]) -> String {
         "{args:?}: stderr names none of {expect:?}: {stderr}"
     );
     stderr
-}
-
-/// The tiny SmolVLM checkpoint (its text model) with its tokenizer, as a model directory.
-fn tiny_model_with_tokenizer() -> PathBuf {
-    let dir = scratch("tiny-with-tokenizer");
-    std::fs::create_dir_all(&dir).unwrap();
-    for (from, name) in [
-        ("tiny-smolvlm/hf/config.json", "config.json"),
-        ("tiny-smolvlm/hf/model.safetensors", "model.safetensors"),
-        ("tiny-smolvlm/tokenizer/tokenizer.json", "tokenizer.json"),
-        (
-            "tiny-smolvlm/tokenizer/tokenizer_config.json",
-            "tokenizer_config.json",
-        ),
-    ] {
-        let to = dir.join(name);
-        if !to.exists() {
-            std::os::unix::fs::symlink(fixture(from).canonicalize().unwrap(), &to).unwrap();
-        }
-    }
-    dir
 }
 
 /// The tiny GGUF with `llama.block_count` rewritten to `value`.
@@ -160,7 +139,7 @@ fn a_json_schema_of_nested_arrays_runs_within_bounds() {
     }
     let path = scratch("nested.schema.json");
     std::fs::write(&path, schema.to_string()).unwrap();
-    let model = tiny_model_with_tokenizer();
+    let model = common::tiny_vlm("hostile-tiny");
     let out = run_limited(&[
         "generate",
         "--model",
@@ -184,12 +163,37 @@ fn a_json_schema_of_nested_arrays_runs_within_bounds() {
     assert!(text.trim_start().starts_with('['), "{text}");
 }
 
+/// A model directory whose chat template loops without end: `generate --chat` runs out of the
+/// template's fuel and says so.
+#[test]
+fn a_looping_chat_template_is_a_named_error() {
+    let dir = common::tiny_vlm("hostile-looping-template");
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    )
+    .unwrap();
+    refuses(
+        &[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--cache-dir",
+            scratch("cache").to_str().unwrap(),
+            "--prompt",
+            "x",
+            "--chat",
+        ],
+        &["fuel"],
+    );
+}
+
 /// A Lark grammar that is not one is a named error.
 #[test]
 fn a_broken_lark_grammar_is_a_named_error() {
     let path = scratch("broken.lark");
     std::fs::write(&path, "start: (((\n").unwrap();
-    let model = tiny_model_with_tokenizer();
+    let model = common::tiny_vlm("hostile-tiny");
     refuses(
         &[
             "generate",
