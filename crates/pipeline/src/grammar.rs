@@ -360,12 +360,18 @@ impl Grammar {
     }
 
     /// Moves `state` past `text`, spelled with the vocabulary's tokens (greedy longest match, as
-    /// llguidance's trie tokenizes): for tools and benches that start from a known prefix.
+    /// llguidance's trie tokenizes), computing the mask before each token as a decode loop does:
+    /// for tools and benches that start from a known prefix, so the state (and the lexer caches
+    /// it carries) is the one generation would have reached.
     ///
     /// # Errors
     /// As [`Grammar::advance`], for the first token that cannot continue.
     pub fn advance_text(&self, state: &mut GrammarState, text: &[u8]) -> Result<(), GrammarError> {
         for token in self.vocab.inner.factory.tok_env().tokenize_bytes(text) {
+            state
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| GrammarError::Engine(e.to_string()))?;
             self.advance(state, token)?;
         }
         Ok(())
