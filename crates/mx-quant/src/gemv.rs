@@ -228,6 +228,23 @@ impl MxMatrix {
         Ok(m)
     }
 
+    /// The matrix in the linear layout, `(scales, packed)`: scales row-major `[row][block]`, the
+    /// rows' codes back to back as one little-endian bit stream (what [`MxMatrix::from_linear`]
+    /// takes, and what the WGSL decoder of [`crate::wgsl`] reads).
+    pub fn to_linear(&self) -> (Vec<u8>, Vec<u8>) {
+        let per_row = self.blocks_per_row();
+        let block_bytes = crate::layout::packed_len(self.format, BLOCK);
+        let mut scales = Vec::with_capacity(self.rows * per_row);
+        let mut packed = vec![0u8; self.rows * per_row * block_bytes];
+        for (i, out) in packed.chunks_exact_mut(block_bytes).enumerate() {
+            let (scale, codes) = self.get_block(i / per_row, i % per_row);
+            scales.push(scale);
+            crate::layout::pack_codes(self.format, &codes, out)
+                .expect("one whole block into its own packed length");
+        }
+        (scales, packed)
+    }
+
     /// The matrix as GGUF `block_mxfp4` rows (for saving); only for FP4 E2M1 weights.
     pub fn to_gguf_mxfp4(&self) -> Result<Vec<crate::layout::BlockMxfp4>, Error> {
         if self.format != ElemFormat::Fp4E2M1 {

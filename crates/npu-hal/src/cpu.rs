@@ -17,9 +17,9 @@ use uvm_alloc::{Access, Allocator, AllocatorDesc, UnifiedBuffer};
 use crate::Error;
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
-    WeightId,
+    WeightId, check_op,
 };
-use crate::kernels::{self, MAX_ROPE_HEAD_DIM};
+use crate::kernels;
 use crate::pool::{WorkerPool, share};
 
 /// How to build a [`CpuNpu`].
@@ -109,180 +109,6 @@ impl CpuNpu {
             op,
             what: format!("tensor {} does not exist on this device", id.0),
         })
-    }
-
-    fn weight(&self, id: WeightId, op: usize) -> Result<&Weight, Error> {
-        self.weights.get(id.0 as usize).ok_or_else(|| Error::BadOp {
-            op,
-            what: format!("weight {} does not exist on this device", id.0),
-        })
-    }
-
-    /// Checks one op against the shapes of what it names and the batch, before anything runs.
-    fn check(
-        &self,
-        i: usize,
-        op: &Op,
-        b: &Batch<'_>,
-        kv: Option<&kv_paged::KvCache>,
-    ) -> Result<(), Error> {
-        let n = b.tokens.len();
-        let bad = |what: String| Err(Error::BadOp { op: i, what });
-        let rows_ok = |t: &CpuTensor, rows: usize| rows <= t.max_rows;
-        match *op {
-            Op::Embed { table, out } => {
-                let (_, cols) = self.weight(table, i)?.shape();
-                let o = self.tensor(out, i)?;
-                if cols != o.width || !rows_ok(o, n) {
-                    return bad(format!(
-                        "embed: table width {cols} vs output width {} / {} rows for {n} tokens",
-                        o.width, o.max_rows
-                    ));
-                }
-                if let Some(e) = &b.embeddings {
-                    let rows = e.rows.len();
-                    if e.rows.start > e.rows.end
-                        || e.rows.end > n
-                        || rows.checked_mul(cols) != Some(e.data.len())
-                    {
-                        return bad(format!(
-                            "embed: spliced embeddings for rows {:?} of a {n}-token batch carry {} \
-                             values, want {rows} x {cols}",
-                            e.rows,
-                            e.data.len()
-                        ));
-                    }
-                }
-            }
-            Op::RmsNorm { x, weight, out, .. } => {
-                let (r, c) = self.weight(weight, i)?.shape();
-                let (x, o) = (self.tensor(x, i)?, self.tensor(out, i)?);
-                if r != 1 || c != x.width || x.width != o.width || !rows_ok(x, n) || !rows_ok(o, n)
-                {
-                    return bad(format!(
-                        "rms_norm: gain ({r}x{c}), input width {}, output width {} must agree",
-                        x.width, o.width
-                    ));
-                }
-            }
-            Op::Linear {
-                weight,
-                x,
-                out,
-                rows,
-            } => {
-                let (r, c) = self.weight(weight, i)?.shape();
-                let (xt, o) = (self.tensor(x, i)?, self.tensor(out, i)?);
-                if x == out || c != xt.width || r != o.width || !rows_ok(xt, n) {
-                    return bad(format!(
-                        "linear: weight {r}x{c} needs input width {c} (got {}) and output width {r} (got {}), distinct tensors",
-                        xt.width, o.width
-                    ));
-                }
-                let out_rows = match rows {
-                    Rows::All => n,
-                    Rows::Selected => {
-                        if b.select.start > b.select.end || b.select.end > n {
-                            return bad(format!(
-                                "linear: select {:?} outside the batch of {n}",
-                                b.select
-                            ));
-                        }
-                        b.select.len()
-                    }
-                };
-                if !rows_ok(o, out_rows) {
-                    return bad(format!(
-                        "linear: output holds {} rows, {out_rows} needed",
-                        o.max_rows
-                    ));
-                }
-            }
-            Op::Rope { x, head_dim, .. } => {
-                let t = self.tensor(x, i)?;
-                if head_dim == 0
-                    || !head_dim.is_multiple_of(2)
-                    || head_dim > MAX_ROPE_HEAD_DIM
-                    || !t.width.is_multiple_of(head_dim)
-                    || !rows_ok(t, n)
-                {
-                    return bad(format!(
-                        "rope: head_dim {head_dim} must be even, <= {MAX_ROPE_HEAD_DIM} and divide the width {}",
-                        t.width
-                    ));
-                }
-            }
-            Op::SwiGlu { gate, up, out, .. } => {
-                let (g, u, o) = (
-                    self.tensor(gate, i)?,
-                    self.tensor(up, i)?,
-                    self.tensor(out, i)?,
-                );
-                if out == gate
-                    || out == up
-                    || g.width != u.width
-                    || g.width != o.width
-                    || !rows_ok(g, n)
-                    || !rows_ok(u, n)
-                    || !rows_ok(o, n)
-                {
-                    return bad(
-                        "swiglu: gate, up and out must have one width and out be distinct".into(),
-                    );
-                }
-            }
-            Op::Add { acc, x } => {
-                let (a, xt) = (self.tensor(acc, i)?, self.tensor(x, i)?);
-                if acc == x || a.width != xt.width || !rows_ok(a, n) || !rows_ok(xt, n) {
-                    return bad("add: acc and x must be distinct tensors of one width".into());
-                }
-            }
-            Op::Attention {
-                layer,
-                q,
-                k,
-                v,
-                out,
-                q_heads,
-                ..
-            } => {
-                let Some(kv) = kv else {
-                    return bad("attention needs a KV cache in the submission".into());
-                };
-                let l = kv.layout();
-                let (qt, kt, vt, o) = (
-                    self.tensor(q, i)?,
-                    self.tensor(k, i)?,
-                    self.tensor(v, i)?,
-                    self.tensor(out, i)?,
-                );
-                let kvw = l.kv_heads * l.head_dim;
-                if layer >= l.layers
-                    || q_heads == 0
-                    || !q_heads.is_multiple_of(l.kv_heads)
-                    || qt.width != q_heads * l.head_dim
-                    || kt.width != kvw
-                    || vt.width != kvw
-                    || o.width != qt.width
-                    || out == q
-                    || b.slots.len() != n
-                    || ![qt, kt, vt, o].iter().all(|t| rows_ok(t, n))
-                {
-                    return bad(format!(
-                        "attention: layer {layer} of {}, {q_heads} query heads over {} KV heads of {}, q/k/v/out widths {}/{}/{}/{}, {} slots for {n} tokens",
-                        l.layers,
-                        l.kv_heads,
-                        l.head_dim,
-                        qt.width,
-                        kt.width,
-                        vt.width,
-                        o.width,
-                        b.slots.len()
-                    ));
-                }
-            }
-        }
-        Ok(())
     }
 
     fn run(
@@ -727,7 +553,16 @@ impl Device for CpuNpu {
             });
         }
         for (i, op) in ops.iter().enumerate() {
-            self.check(i, op, &batch, kv.as_deref())?;
+            let weight_shape = |w: WeightId| self.weight_shape(w);
+            let tensor_shape = |t: TensorId| self.tensor_shape(t);
+            check_op(
+                i,
+                op,
+                &batch,
+                kv.as_deref().map(kv_paged::KvCache::layout),
+                &weight_shape,
+                &tensor_shape,
+            )?;
         }
         if let Some((timeline, value)) = wait {
             timeline.wait(value, self.wait_timeout)?;

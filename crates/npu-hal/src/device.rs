@@ -175,6 +175,8 @@ pub enum DeviceKind {
     Empty,
     /// A Linux accel device.
     Accel,
+    /// A GPU through Vulkan (the `vulkan` feature's [`crate::VulkanNpu`]).
+    Gpu,
 }
 
 /// A device's description.
@@ -219,6 +221,13 @@ pub trait Device: Send + std::fmt::Debug {
         rows: Range<usize>,
         data: &[f32],
     ) -> Result<(), Error>;
+    /// A timeline this device signals itself, in hardware where it can: a caller that chains
+    /// its submissions on it (each waiting for the value the previous one signals) needs no
+    /// host wake between them. `None` when the device has no timeline of its own, in which case
+    /// callers bring one (a [`sync_timeline::CpuTimeline`], say).
+    fn timeline(&self) -> Option<std::sync::Arc<dyn Timeline>> {
+        None
+    }
 }
 
 /// The discovery side of the trait family: what devices a backend can open on this machine.
@@ -238,4 +247,184 @@ pub struct Probe {
     pub name: String,
     /// `Ok(())` when ops can run on it, or why not.
     pub usable: Result<(), String>,
+}
+
+/// A tensor's shape as the checks see it.
+#[derive(Clone, Copy)]
+struct TensorShape {
+    width: usize,
+    max_rows: usize,
+}
+
+/// Checks one op against the shapes of what it names and the batch, before anything runs.
+pub(crate) fn check_op(
+    i: usize,
+    op: &Op,
+    b: &Batch<'_>,
+    kv: Option<&kv_paged::KvLayout>,
+    weight_shape: &dyn Fn(WeightId) -> Option<(usize, usize)>,
+    tensor_shape: &dyn Fn(TensorId) -> Option<(usize, usize)>,
+) -> Result<(), Error> {
+    let weight_of = |id: WeightId, op: usize| {
+        weight_shape(id).ok_or_else(|| Error::BadOp {
+            op,
+            what: format!("weight {} does not exist on this device", id.0),
+        })
+    };
+    let tensor = |id: TensorId, op: usize| {
+        tensor_shape(id)
+            .map(|(width, max_rows)| TensorShape { width, max_rows })
+            .ok_or_else(|| Error::BadOp {
+                op,
+                what: format!("tensor {} does not exist on this device", id.0),
+            })
+    };
+    let n = b.tokens.len();
+    let bad = |what: String| Err(Error::BadOp { op: i, what });
+    let rows_ok = |t: TensorShape, rows: usize| rows <= t.max_rows;
+    match *op {
+        Op::Embed { table, out } => {
+            let (_, cols) = weight_of(table, i)?;
+            let o = tensor(out, i)?;
+            if cols != o.width || !rows_ok(o, n) {
+                return bad(format!(
+                    "embed: table width {cols} vs output width {} / {} rows for {n} tokens",
+                    o.width, o.max_rows
+                ));
+            }
+            if let Some(e) = &b.embeddings {
+                let rows = e.rows.len();
+                if e.rows.start > e.rows.end
+                    || e.rows.end > n
+                    || rows.checked_mul(cols) != Some(e.data.len())
+                {
+                    return bad(format!(
+                        "embed: spliced embeddings for rows {:?} of a {n}-token batch carry {} \
+                         values, want {rows} x {cols}",
+                        e.rows,
+                        e.data.len()
+                    ));
+                }
+            }
+        }
+        Op::RmsNorm { x, weight, out, .. } => {
+            let (r, c) = weight_of(weight, i)?;
+            let (x, o) = (tensor(x, i)?, tensor(out, i)?);
+            if r != 1 || c != x.width || x.width != o.width || !rows_ok(x, n) || !rows_ok(o, n) {
+                return bad(format!(
+                    "rms_norm: gain ({r}x{c}), input width {}, output width {} must agree",
+                    x.width, o.width
+                ));
+            }
+        }
+        Op::Linear {
+            weight,
+            x,
+            out,
+            rows,
+        } => {
+            let (r, c) = weight_of(weight, i)?;
+            let (xt, o) = (tensor(x, i)?, tensor(out, i)?);
+            if x == out || c != xt.width || r != o.width || !rows_ok(xt, n) {
+                return bad(format!(
+                    "linear: weight {r}x{c} needs input width {c} (got {}) and output width {r} (got {}), distinct tensors",
+                    xt.width, o.width
+                ));
+            }
+            let out_rows = match rows {
+                Rows::All => n,
+                Rows::Selected => {
+                    if b.select.start > b.select.end || b.select.end > n {
+                        return bad(format!(
+                            "linear: select {:?} outside the batch of {n}",
+                            b.select
+                        ));
+                    }
+                    b.select.len()
+                }
+            };
+            if !rows_ok(o, out_rows) {
+                return bad(format!(
+                    "linear: output holds {} rows, {out_rows} needed",
+                    o.max_rows
+                ));
+            }
+        }
+        Op::Rope { x, head_dim, .. } => {
+            let t = tensor(x, i)?;
+            if head_dim == 0
+                || !head_dim.is_multiple_of(2)
+                || head_dim > crate::kernels::MAX_ROPE_HEAD_DIM
+                || !t.width.is_multiple_of(head_dim)
+                || !rows_ok(t, n)
+            {
+                return bad(format!(
+                    "rope: head_dim {head_dim} must be even, <= {} and divide the width {}",
+                    crate::kernels::MAX_ROPE_HEAD_DIM,
+                    t.width
+                ));
+            }
+        }
+        Op::SwiGlu { gate, up, out, .. } => {
+            let (g, u, o) = (tensor(gate, i)?, tensor(up, i)?, tensor(out, i)?);
+            if out == gate
+                || out == up
+                || g.width != u.width
+                || g.width != o.width
+                || !rows_ok(g, n)
+                || !rows_ok(u, n)
+                || !rows_ok(o, n)
+            {
+                return bad(
+                    "swiglu: gate, up and out must have one width and out be distinct".into(),
+                );
+            }
+        }
+        Op::Add { acc, x } => {
+            let (a, xt) = (tensor(acc, i)?, tensor(x, i)?);
+            if acc == x || a.width != xt.width || !rows_ok(a, n) || !rows_ok(xt, n) {
+                return bad("add: acc and x must be distinct tensors of one width".into());
+            }
+        }
+        Op::Attention {
+            layer,
+            q,
+            k,
+            v,
+            out,
+            q_heads,
+            ..
+        } => {
+            let Some(kv) = kv else {
+                return bad("attention needs a KV cache in the submission".into());
+            };
+            let l = kv;
+            let (qt, kt, vt, o) = (tensor(q, i)?, tensor(k, i)?, tensor(v, i)?, tensor(out, i)?);
+            let kvw = l.kv_heads * l.head_dim;
+            if layer >= l.layers
+                || q_heads == 0
+                || !q_heads.is_multiple_of(l.kv_heads)
+                || qt.width != q_heads * l.head_dim
+                || kt.width != kvw
+                || vt.width != kvw
+                || o.width != qt.width
+                || out == q
+                || b.slots.len() != n
+                || ![qt, kt, vt, o].into_iter().all(|t| rows_ok(t, n))
+            {
+                return bad(format!(
+                    "attention: layer {layer} of {}, {q_heads} query heads over {} KV heads of {}, q/k/v/out widths {}/{}/{}/{}, {} slots for {n} tokens",
+                    l.layers,
+                    l.kv_heads,
+                    l.head_dim,
+                    qt.width,
+                    kt.width,
+                    vt.width,
+                    o.width,
+                    b.slots.len()
+                ));
+            }
+        }
+    }
+    Ok(())
 }

@@ -239,6 +239,11 @@ impl BlockMatrix {
         self.data.len()
     }
 
+    /// The blocks as ggml stores them, row after row.
+    pub fn raw(&self) -> &[u8] {
+        &self.data
+    }
+
     /// The block format.
     pub fn block_type(&self) -> BlockType {
         self.ty

@@ -40,6 +40,8 @@ pub mod kernels;
 pub mod pool;
 pub mod sampling;
 pub mod sys;
+#[cfg(feature = "vulkan")]
+mod vulkan;
 
 pub use cpu::{CpuBackend, CpuConfig, CpuNpu};
 pub use device::{
@@ -47,6 +49,8 @@ pub use device::{
     TensorId, Weight, WeightId,
 };
 pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};
+#[cfg(feature = "vulkan")]
+pub use vulkan::{AdapterChoice, VulkanBackend, VulkanConfig, VulkanNpu};
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
 #[cfg(doctest)]
@@ -76,6 +80,17 @@ pub enum Error {
     Timeline(#[from] sync_timeline::Error),
     #[error("could not start the CPU worker pool: {0}")]
     Threads(std::io::Error),
+    /// A Vulkan call failed.
+    #[cfg(feature = "vulkan")]
+    #[error("{call} failed: {result}")]
+    Vulkan {
+        call: &'static str,
+        result: ash::vk::Result,
+    },
+    /// A GPU kernel did not compile (a bug in the kernel source or the compiler, not in input).
+    #[cfg(feature = "vulkan")]
+    #[error("GPU kernel compilation failed: {message}")]
+    Shader { message: String },
 }
 
 /// A device that accepts nothing: every call fails with [`Error::Unsupported`]. It lets wiring be

@@ -1,0 +1,1755 @@
+//! The GPU backend (feature `vulkan`): the decoder's op programs on any Vulkan 1.2 device, through
+//! ash, with kernels written in WGSL and compiled by naga.
+//!
+//! # How a program runs
+//! - **Record once, replay per step.** The first submission of a program builds one descriptor
+//!   set per dispatch and a step buffer; each batch shape (tokens and selected rows, rounded up
+//!   to a power of two) records one command buffer. Later submissions write the step values
+//!   (token ids, first position, KV slots, the block table) into the step buffer and resubmit
+//!   the recorded command buffer: no per-op encoding on the CPU.
+//! - **Barriers from the program.** Each dispatch lists what it reads and writes; a barrier goes
+//!   in only where a dispatch touches what an earlier one since the last barrier wrote (or
+//!   writes what it read), so independent ops (Q, K and V; gate and up) run together.
+//! - **Weights stay in their format**: MX (decoded in the kernels by mx-quant's WGSL library),
+//!   ggml Q4_0/Q4_1/Q8_0 (split into a quant plane and a scale plane, the bits unchanged), and
+//!   dense matrices as f16 or bf16 when every value is exactly one, f32 otherwise.
+//! - **KV pages live in device memory**, laid out as kv-paged lays them out; the host's
+//!   [`KvCache`](kv_paged::KvCache) keeps the block tables, which each step copies into the
+//!   step buffer. (The host cache's own pages are not used on this device.)
+//! - **Timelines.** Every submission signals the device's private completion timeline; a
+//!   submission's `wait` and `signal` on a Vulkan timeline of the same device happen in the
+//!   queue, with no host wake; any other timeline is waited on (or signalled) from the host,
+//!   and counted in [`VulkanNpu::host_waits`]. [`Device::timeline`] hands out a timeline of this
+//!   device, so a decoder's chained submissions never wake the CPU between them.
+//! - **Logits come back** through [`Device::read_tensor`]: read in place on unified memory,
+//!   copied through a host-visible buffer otherwise (counted by uvm-alloc's copy ledger, stage
+//!   `gpu-readback`: the one per-token transfer).
+//!
+//! A device that lacks something a program needs is refused with [`Error::Unsupported`]; nothing
+//! falls back to the CPU.
+
+mod gpu;
+mod shaders;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ash::vk;
+use kv_paged::{KvCache, KvLayout};
+use sync_timeline::Timeline;
+use sync_timeline::vulkan::VulkanTimeline;
+
+use self::gpu::{Context, GpuBuffer, Instance, Memory, PUSH_BYTES, vk_err};
+use self::shaders::{Kernel, KvFormat, Pipelines, WeightFormat};
+use crate::Error;
+use crate::device::{
+    Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
+    WeightId, check_op,
+};
+
+/// Which Vulkan adapter [`VulkanBackend`] opens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum AdapterChoice {
+    /// The most capable one: a discrete GPU, else integrated, virtual, then a CPU implementation
+    /// (lavapipe).
+    #[default]
+    Best,
+    /// Only a hardware adapter (not a CPU implementation).
+    Hardware,
+    /// The first adapter whose name contains this text.
+    Named(String),
+}
+
+/// How to open a [`VulkanNpu`].
+#[derive(Clone, Debug)]
+pub struct VulkanConfig {
+    pub adapter: AdapterChoice,
+    /// How long a host wait (on a foreign timeline, or for results) may take before failing.
+    pub wait_timeout: Duration,
+}
+
+impl Default for VulkanConfig {
+    fn default() -> Self {
+        VulkanConfig {
+            adapter: AdapterChoice::Best,
+            wait_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The Vulkan backend as discovery sees it.
+#[derive(Clone, Debug, Default)]
+pub struct VulkanBackend {
+    pub config: VulkanConfig,
+}
+
+impl VulkanBackend {
+    /// Opens the adapter the configuration names.
+    pub fn open_npu(&self) -> Result<VulkanNpu, Error> {
+        VulkanNpu::new(self.config.clone())
+    }
+}
+
+impl Backend for VulkanBackend {
+    fn name(&self) -> &'static str {
+        "gpu"
+    }
+
+    fn probe(&self) -> Vec<Probe> {
+        let listed = Instance::new().and_then(|i| i.adapters());
+        match listed {
+            Err(e) => vec![Probe {
+                backend: "gpu",
+                name: "Vulkan".into(),
+                usable: Err(e.to_string()),
+            }],
+            Ok(adapters) if adapters.is_empty() => vec![Probe {
+                backend: "gpu",
+                name: "Vulkan".into(),
+                usable: Err("the Vulkan loader lists no adapter".into()),
+            }],
+            Ok(adapters) => adapters
+                .into_iter()
+                .map(|(_, a)| Probe {
+                    backend: "gpu",
+                    name: format!(
+                        "{} ({}, Vulkan {}.{})",
+                        a.name,
+                        a.kind_name(),
+                        vk::api_version_major(a.api),
+                        vk::api_version_minor(a.api)
+                    ),
+                    usable: a.unusable.clone().map_or(Ok(()), Err),
+                })
+                .collect(),
+        }
+    }
+
+    fn open(&self) -> Result<Box<dyn Device>, Error> {
+        Ok(Box::new(self.open_npu()?))
+    }
+}
+
+/// A weight on the GPU.
+#[derive(Debug)]
+enum GpuWeight {
+    Matrix {
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        codes: GpuBuffer,
+        scales: GpuBuffer,
+        bytes: usize,
+    },
+    Vector {
+        data: GpuBuffer,
+        len: usize,
+    },
+}
+
+#[derive(Debug)]
+struct GpuTensor {
+    width: usize,
+    max_rows: usize,
+    buffer: GpuBuffer,
+}
+
+/// What identifies a host KV cache whose pages this device mirrors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KvKey {
+    /// The host cache's page buffer (stable while the cache lives).
+    buffer: usize,
+    layout: KvLayout,
+    blocks: usize,
+}
+
+#[derive(Debug)]
+struct KvMirror {
+    key: KvKey,
+    block_bytes: usize,
+    pages: GpuBuffer,
+}
+
+/// A resource a dispatch reads or writes, for barrier placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Resource {
+    Tensor(u32),
+    Kv,
+}
+
+/// How a dispatch's grid follows the batch shape.
+#[derive(Clone, Copy, Debug)]
+enum Grid {
+    /// One workgroup per row.
+    PerRow,
+    /// `(ceil(width / per), rows)`.
+    Elements { width: u32, per: u32 },
+    /// A linear layer of `rows` outputs over the batch (or selected) rows.
+    Linear {
+        format: WeightFormat,
+        rows: u32,
+        selected: bool,
+    },
+    /// `(rows, heads, depth)`.
+    Heads { heads: u32, depth: u32 },
+}
+
+#[derive(Debug)]
+struct Dispatch {
+    /// The kernel, except for linear layers, whose kernel the shape picks.
+    kernel: Kernel,
+    grid: Grid,
+    set: vk::DescriptorSet,
+    push: [u8; PUSH_BYTES as usize],
+    reads: Vec<Resource>,
+    writes: Vec<Resource>,
+}
+
+/// Step-buffer layout: header words, then token ids, KV slots and the block table.
+const STEP_HEADER: usize = 16;
+
+/// A recorded program.
+#[derive(Debug)]
+struct Program {
+    ops: Vec<Op>,
+    kv: Option<KvKey>,
+    step: GpuBuffer,
+    /// Rows the step buffer has room for, and block-table entries.
+    rows: usize,
+    blocks: usize,
+    /// Spliced embedding rows (the Embed op's `Batch::embeddings`), host-written.
+    splice: Option<(GpuBuffer, usize)>,
+    pool: vk::DescriptorPool,
+    dispatches: Vec<Dispatch>,
+    /// Command buffers by (tokens, selected rows), each rounded up to a power of two.
+    recorded: HashMap<(usize, usize), Recorded>,
+    /// The completion value of its last submission: the step buffer is rewritten only after it.
+    last: u64,
+}
+
+#[derive(Debug)]
+struct Recorded {
+    commands: vk::CommandBuffer,
+    /// Two timestamps (start, end) when the queue supports them.
+    timestamps: Option<vk::QueryPool>,
+}
+
+/// The queue and the completion timeline's last submitted value (one lock, so values are
+/// submitted in order).
+#[derive(Debug)]
+struct Queue {
+    raw: vk::Queue,
+    last: u64,
+}
+
+/// One-shot transfers (uploads, readbacks), from `&self` as well as `&mut self`.
+#[derive(Debug)]
+struct Transfer {
+    pool: vk::CommandPool,
+    commands: vk::CommandBuffer,
+    readback: Option<GpuBuffer>,
+}
+
+/// The GPU NPU: an npu-hal [`Device`] on a Vulkan adapter.
+pub struct VulkanNpu {
+    // Drop order: `Drop::drop` waits for the queue and destroys every object below; the
+    // timelines and then the context (which they keep alive) go after.
+    pipelines: Pipelines,
+    weights: Vec<GpuWeight>,
+    tensors: Vec<GpuTensor>,
+    rope_tables: Vec<((usize, u32), GpuBuffer, f32)>,
+    kv: Option<KvMirror>,
+    programs: Vec<Program>,
+    program_pool: vk::CommandPool,
+    transfer: Mutex<Transfer>,
+    queue: Mutex<Queue>,
+    timestamps: bool,
+    /// The last submission's GPU time, in nanoseconds, when timestamps are supported.
+    last_gpu_ns: AtomicU64,
+    host_waits: AtomicU64,
+    wait_timeout: Duration,
+    readback_ledger: Arc<uvm_alloc::StageCopies>,
+    /// Private: every submission signals it, in order.
+    completion: VulkanTimeline,
+    /// Handed out by [`Device::timeline`]; moved only by submissions that signal it.
+    public: Arc<VulkanTimeline>,
+    ctx: Arc<Context>,
+}
+
+impl std::fmt::Debug for VulkanNpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VulkanNpu")
+            .field("adapter", &self.ctx.adapter.name)
+            .field("weights", &self.weights.len())
+            .field("tensors", &self.tensors.len())
+            .field("programs", &self.programs.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl VulkanNpu {
+    /// Opens the adapter `config` chooses.
+    pub fn new(config: VulkanConfig) -> Result<VulkanNpu, Error> {
+        let instance = Instance::new()?;
+        let mut adapters = instance.adapters()?;
+        adapters.sort_by_key(|(_, a)| (a.rank(), a.index));
+        let listed: Vec<String> = adapters.iter().map(|(_, a)| a.name.clone()).collect();
+        let chosen = adapters.into_iter().find(|(_, a)| {
+            a.unusable.is_none()
+                && match &config.adapter {
+                    AdapterChoice::Best => true,
+                    AdapterChoice::Hardware => !a.is_cpu(),
+                    AdapterChoice::Named(n) => a.name.contains(n.as_str()),
+                }
+        });
+        let Some((pd, adapter)) = chosen else {
+            return Err(Error::Unsupported {
+                what: "the Vulkan backend",
+                why: format!(
+                    "no usable adapter matches {:?} (listed: {})",
+                    config.adapter,
+                    if listed.is_empty() {
+                        "none".to_string()
+                    } else {
+                        listed.join(", ")
+                    }
+                ),
+            });
+        };
+        let ctx = Arc::new(Context::open(instance, pd, adapter)?);
+        let owner: Arc<dyn std::any::Any + Send + Sync> = ctx.clone();
+        // SAFETY: the device was created with timeline semaphores and `owner` keeps it alive;
+        // every submission that signals either timeline registers the value first (`submit_raw`),
+        // and `Drop` waits for the queue to be idle before the timelines go.
+        let completion = unsafe { VulkanTimeline::new(ctx.device.clone(), owner.clone(), 0) }?;
+        // SAFETY: as above.
+        let public = Arc::new(unsafe { VulkanTimeline::new(ctx.device.clone(), owner, 0) }?);
+        let pool_info = vk::CommandPoolCreateInfo::default()
+            .queue_family_index(ctx.queue_family)
+            .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+        // SAFETY: a valid create info on a live device.
+        let program_pool = unsafe { ctx.device.create_command_pool(&pool_info, None) }
+            .map_err(vk_err("vkCreateCommandPool"))?;
+        // SAFETY: as above.
+        let transfer_pool = unsafe { ctx.device.create_command_pool(&pool_info, None) }
+            .map_err(vk_err("vkCreateCommandPool"))?;
+        let alloc = vk::CommandBufferAllocateInfo::default()
+            .command_pool(transfer_pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(1);
+        // SAFETY: a pool of this device.
+        let commands = unsafe { ctx.device.allocate_command_buffers(&alloc) }
+            .map_err(vk_err("vkAllocateCommandBuffers"))?[0];
+        // SAFETY: a physical device of the context's instance.
+        let families = unsafe {
+            ctx.instance
+                .instance
+                .get_physical_device_queue_family_properties(ctx.physical)
+        };
+        let timestamps = families[ctx.queue_family as usize].timestamp_valid_bits > 0;
+        Ok(VulkanNpu {
+            pipelines: Pipelines::default(),
+            weights: Vec::new(),
+            tensors: Vec::new(),
+            rope_tables: Vec::new(),
+            kv: None,
+            programs: Vec::new(),
+            program_pool,
+            transfer: Mutex::new(Transfer {
+                pool: transfer_pool,
+                commands,
+                readback: None,
+            }),
+            queue: Mutex::new(Queue {
+                raw: ctx.queue(),
+                last: 0,
+            }),
+            timestamps,
+            last_gpu_ns: AtomicU64::new(0),
+            host_waits: AtomicU64::new(0),
+            wait_timeout: config.wait_timeout,
+            readback_ledger: uvm_alloc::CopyLedger::global().stage("gpu-readback"),
+            completion,
+            public,
+            ctx,
+        })
+    }
+
+    /// The adapter's name.
+    pub fn adapter(&self) -> &str {
+        &self.ctx.adapter.name
+    }
+
+    /// Whether the host reads this device's tensors in place (unified memory).
+    pub fn unified_memory(&self) -> bool {
+        self.ctx.unified
+    }
+
+    /// How many times a call blocked the calling thread on GPU work or a foreign timeline.
+    pub fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
+    }
+
+    /// GPU time of the last program submission (from timestamps), if the queue has them.
+    pub fn last_gpu_time(&self) -> Option<Duration> {
+        self.timestamps
+            .then(|| Duration::from_nanos(self.last_gpu_ns.load(Ordering::Relaxed)))
+    }
+
+    fn lock_queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Submits `commands` after `waits` (same-device semaphores), signalling the completion
+    /// timeline's next value and `signals`; returns that value.
+    fn submit_raw(
+        &self,
+        commands: vk::CommandBuffer,
+        waits: &[(&VulkanTimeline, u64)],
+        signals: &[(&VulkanTimeline, u64)],
+    ) -> Result<u64, Error> {
+        let mut q = self.lock_queue();
+        let value = q.last + 1;
+        let mut sig_sems = vec![self.completion.semaphore()];
+        let mut sig_vals = vec![value];
+        for (t, v) in signals {
+            sig_sems.push(t.semaphore());
+            sig_vals.push(*v);
+        }
+        let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|(t, _)| t.semaphore()).collect();
+        let wait_vals: Vec<u64> = waits.iter().map(|(_, v)| *v).collect();
+        let stages = vec![vk::PipelineStageFlags::COMPUTE_SHADER; waits.len()];
+        let mut timeline_info = vk::TimelineSemaphoreSubmitInfo::default()
+            .wait_semaphore_values(&wait_vals)
+            .signal_semaphore_values(&sig_vals);
+        let buffers = [commands];
+        let submit = vk::SubmitInfo::default()
+            .wait_semaphores(&wait_sems)
+            .wait_dst_stage_mask(&stages)
+            .command_buffers(&buffers)
+            .signal_semaphores(&sig_sems)
+            .push_next(&mut timeline_info);
+        self.completion.expect_device_signal(value);
+        for (t, v) in signals {
+            t.expect_device_signal(*v);
+        }
+        // SAFETY: the queue is used under its mutex only; the command buffer is fully recorded
+        // and not pending elsewhere (programs wait for their last value before resubmitting,
+        // the transfer buffer is used under its own mutex and waited for); every semaphore is a
+        // live timeline of this device, registered above; the completion value increases.
+        unsafe {
+            self.ctx
+                .device
+                .queue_submit(q.raw, &[submit], vk::Fence::null())
+        }
+        .map_err(vk_err("vkQueueSubmit"))?;
+        q.last = value;
+        Ok(value)
+    }
+
+    /// Blocks until the completion timeline reaches `value` (counted as a host wait).
+    fn wait_done(&self, value: u64) -> Result<(), Error> {
+        if self.completion.value()? >= value {
+            return Ok(());
+        }
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        self.completion.wait(value, self.wait_timeout)?;
+        Ok(())
+    }
+
+    /// Blocks until everything submitted so far has completed.
+    fn wait_all(&self) -> Result<(), Error> {
+        let last = self.lock_queue().last;
+        self.wait_done(last)
+    }
+
+    /// Runs `record` into the one-shot transfer command buffer, submits it and waits.
+    fn one_shot(
+        &self,
+        transfer: &mut Transfer,
+        record: impl FnOnce(&ash::Device, vk::CommandBuffer),
+    ) -> Result<(), Error> {
+        let d = &self.ctx.device;
+        let cb = transfer.commands;
+        let begin = vk::CommandBufferBeginInfo::default()
+            .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+        // SAFETY: the transfer buffer is not pending (every one-shot waits for completion
+        // before returning, under the transfer mutex the caller holds).
+        unsafe { d.begin_command_buffer(cb, &begin) }.map_err(vk_err("vkBeginCommandBuffer"))?;
+        full_barrier(d, cb);
+        record(d, cb);
+        full_barrier(d, cb);
+        // SAFETY: recording on this thread, begun above.
+        unsafe { d.end_command_buffer(cb) }.map_err(vk_err("vkEndCommandBuffer"))?;
+        let value = self.submit_raw(cb, &[], &[])?;
+        self.wait_done(value)
+    }
+
+    /// A device-memory buffer holding `bytes` (written in place on unified memory, through a
+    /// staging buffer otherwise).
+    fn upload(&self, bytes: &[u8]) -> Result<GpuBuffer, Error> {
+        let mut buffer = self.ctx.buffer(bytes.len() as u64, Memory::Device)?;
+        if buffer.is_mapped() {
+            if let Err(e) = buffer.write(0, bytes) {
+                self.ctx.destroy(buffer);
+                return Err(e);
+            }
+            return Ok(buffer);
+        }
+        let result = self.stage_into(&buffer, 0, bytes);
+        match result {
+            Ok(()) => Ok(buffer),
+            Err(e) => {
+                self.ctx.destroy(buffer);
+                Err(e)
+            }
+        }
+    }
+
+    /// Copies `bytes` into `dst` at `offset` through a staging buffer.
+    fn stage_into(&self, dst: &GpuBuffer, offset: u64, bytes: &[u8]) -> Result<(), Error> {
+        let mut staging = self.ctx.buffer(bytes.len() as u64, Memory::Upload)?;
+        let mut transfer = self.transfer.lock().unwrap_or_else(|p| p.into_inner());
+        let result = staging.write(0, bytes).and_then(|()| {
+            let region = [vk::BufferCopy::default()
+                .dst_offset(offset)
+                .size(bytes.len() as u64)];
+            self.one_shot(&mut transfer, |d, cb| {
+                // SAFETY: both buffers are live, the region lies inside both.
+                unsafe { d.cmd_copy_buffer(cb, staging.raw, dst.raw, &region) }
+            })
+        });
+        drop(transfer);
+        self.ctx.destroy(staging);
+        result
+    }
+
+    fn weight(&self, id: WeightId, op: usize) -> Result<&GpuWeight, Error> {
+        self.weights.get(id.0 as usize).ok_or_else(|| Error::BadOp {
+            op,
+            what: format!("weight {} does not exist on this device", id.0),
+        })
+    }
+
+    fn tensor(&self, id: TensorId, op: usize) -> Result<&GpuTensor, Error> {
+        self.tensors.get(id.0 as usize).ok_or_else(|| Error::BadOp {
+            op,
+            what: format!("tensor {} does not exist on this device", id.0),
+        })
+    }
+
+    fn weight_shape_of(&self, id: WeightId) -> Option<(usize, usize)> {
+        self.weights.get(id.0 as usize).map(|w| match w {
+            GpuWeight::Matrix { rows, cols, .. } => (*rows, *cols),
+            GpuWeight::Vector { len, .. } => (1, *len),
+        })
+    }
+
+    /// The device's mirror of `kv`'s pages, made (and older programs dropped) when it is new.
+    fn mirror(&mut self, kv: &KvCache) -> Result<KvKey, Error> {
+        let key = KvKey {
+            buffer: kv.buffer().as_ptr() as usize,
+            layout: *kv.layout(),
+            blocks: kv.manager().total_blocks(),
+        };
+        if self.kv.as_ref().is_some_and(|m| m.key == key) {
+            return Ok(key);
+        }
+        self.wait_all()?;
+        let stale: Vec<Program> = {
+            let (keep, stale) = std::mem::take(&mut self.programs)
+                .into_iter()
+                .partition(|p| p.kv.is_none());
+            self.programs = keep;
+            stale
+        };
+        for p in stale {
+            self.destroy_program(p);
+        }
+        if let Some(old) = self.kv.take() {
+            self.ctx.destroy(old.pages);
+        }
+        let block_bytes = key.layout.block_bytes()?;
+        let bytes = block_bytes
+            .checked_mul(key.blocks)
+            .and_then(|b| b.checked_add(16))
+            .ok_or(Error::Limit {
+                what: "bytes of KV pages",
+            })?;
+        if bytes as u64 > u64::from(self.ctx.max_storage_range) {
+            return Err(Error::Unsupported {
+                what: "a KV cache this large",
+                why: format!(
+                    "{bytes} bytes of pages, past the adapter's {} byte storage-buffer range",
+                    self.ctx.max_storage_range
+                ),
+            });
+        }
+        let pages = self.ctx.buffer(bytes as u64, Memory::Device)?;
+        let mut transfer = self.transfer.lock().unwrap_or_else(|p| p.into_inner());
+        let cleared = self.one_shot(&mut transfer, |d, cb| {
+            // SAFETY: a live buffer, filled whole.
+            unsafe { d.cmd_fill_buffer(cb, pages.raw, 0, vk::WHOLE_SIZE, 0) }
+        });
+        drop(transfer);
+        if let Err(e) = cleared {
+            self.ctx.destroy(pages);
+            return Err(e);
+        }
+        self.kv = Some(KvMirror {
+            key,
+            block_bytes,
+            pages,
+        });
+        Ok(key)
+    }
+
+    fn rope_table(&mut self, head_dim: usize, theta: f32) -> Result<usize, Error> {
+        let key = (head_dim, theta.to_bits());
+        if let Some(i) = self.rope_tables.iter().position(|(k, _, _)| *k == key) {
+            return Ok(i);
+        }
+        let freqs = crate::kernels::rope_freqs(head_dim, theta);
+        let buffer = self.upload(bytemuck::cast_slice(&freqs.inv_freq))?;
+        self.rope_tables.push((key, buffer, freqs.theta_scale));
+        Ok(self.rope_tables.len() - 1)
+    }
+
+    /// Checks what the GPU needs beyond the generic op checks, before anything is built.
+    fn check_gpu(&self, i: usize, op: &Op) -> Result<(), Error> {
+        let refuse = |why: String| {
+            Err(Error::Unsupported {
+                what: "an op of this program",
+                why,
+            })
+        };
+        match *op {
+            Op::Embed { table, out } => {
+                if !matches!(self.weight(table, i)?, GpuWeight::Matrix { .. }) {
+                    return refuse(format!("op {i}: embedding from a vector weight"));
+                }
+                if !self.tensor(out, i)?.width.is_multiple_of(4) {
+                    return refuse(format!("op {i}: embedding width not a multiple of 4"));
+                }
+            }
+            Op::RmsNorm { x, weight, out, .. } => {
+                if x == out {
+                    return refuse(format!("op {i}: RMSNorm in place"));
+                }
+                if !matches!(self.weight(weight, i)?, GpuWeight::Vector { .. }) {
+                    return refuse(format!("op {i}: RMSNorm with a matrix gain"));
+                }
+            }
+            Op::Linear { weight, .. } => match self.weight(weight, i)? {
+                GpuWeight::Matrix { cols, .. } if cols.is_multiple_of(4) => {}
+                GpuWeight::Matrix { cols, .. } => {
+                    return refuse(format!(
+                        "op {i}: linear over {cols} columns (a multiple of 4 is needed)"
+                    ));
+                }
+                GpuWeight::Vector { .. } => {
+                    return refuse(format!("op {i}: linear with a vector weight"));
+                }
+            },
+            Op::Attention { .. } => {
+                let Some(m) = &self.kv else {
+                    return refuse(format!("op {i}: attention with no KV cache"));
+                };
+                let l = m.key.layout;
+                if l.head_dim > 256 || !l.head_dim.is_multiple_of(2) {
+                    return refuse(format!(
+                        "op {i}: head_dim {} (even, at most 256)",
+                        l.head_dim
+                    ));
+                }
+            }
+            Op::Rope { .. } | Op::SwiGlu { .. } | Op::Add { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn find_program(&self, ops: &[Op], kv: Option<KvKey>) -> Option<usize> {
+        self.programs
+            .iter()
+            .position(|p| p.kv == kv && p.ops == ops)
+    }
+
+    /// Builds a program: its step buffer, descriptor sets and dispatch list.
+    fn build_program(&mut self, ops: &[Op], kv: Option<KvKey>) -> Result<Program, Error> {
+        // Room for every row any tensor of the program holds.
+        let mut rows = 1;
+        let mut splice_width = None;
+        for op in ops {
+            for t in op_tensors(op) {
+                rows = rows.max(self.tensor(t, 0)?.max_rows);
+            }
+            if let Op::Embed { out, .. } = op {
+                splice_width = Some(self.tensor(*out, 0)?.width);
+            }
+        }
+        if rows > self.ctx.max_workgroups[0] as usize {
+            return Err(Error::Unsupported {
+                what: "a batch this large",
+                why: format!(
+                    "{rows} rows, past the adapter's {} workgroups per dimension",
+                    self.ctx.max_workgroups[0]
+                ),
+            });
+        }
+        let blocks = kv.map_or(0, |k| k.blocks);
+        let step_words = STEP_HEADER + 2 * rows + blocks;
+        let step = self.ctx.buffer(4 * step_words as u64, Memory::Upload)?;
+        let mut program = Program {
+            ops: ops.to_vec(),
+            kv,
+            step,
+            rows,
+            blocks,
+            splice: None,
+            pool: vk::DescriptorPool::null(),
+            dispatches: Vec::new(),
+            recorded: HashMap::new(),
+            last: 0,
+        };
+        match self.fill_program(&mut program, splice_width) {
+            Ok(()) => Ok(program),
+            Err(e) => {
+                self.destroy_program(program);
+                Err(e)
+            }
+        }
+    }
+
+    fn fill_program(&mut self, p: &mut Program, splice_width: Option<usize>) -> Result<(), Error> {
+        if let Some(width) = splice_width {
+            let bytes = (p.rows * width * 4) as u64;
+            p.splice = Some((self.ctx.buffer(bytes, Memory::Upload)?, width));
+        }
+        // Two dispatches at most per op, five bindings at most per dispatch.
+        let sets = 2 * p.ops.len() as u32;
+        let sizes = [vk::DescriptorPoolSize::default()
+            .ty(vk::DescriptorType::STORAGE_BUFFER)
+            .descriptor_count(sets * 5)];
+        let info = vk::DescriptorPoolCreateInfo::default()
+            .max_sets(sets.max(1))
+            .pool_sizes(&sizes);
+        // SAFETY: a valid create info on a live device.
+        p.pool = unsafe { self.ctx.device.create_descriptor_pool(&info, None) }
+            .map_err(vk_err("vkCreateDescriptorPool"))?;
+        let ops = p.ops.clone();
+        for op in &ops {
+            self.add_dispatches(p, op)?;
+        }
+        Ok(())
+    }
+
+    fn add_dispatches(&mut self, p: &mut Program, op: &Op) -> Result<(), Error> {
+        let step = p.step.raw;
+        let t = |s: &Self, id: TensorId| s.tensors[id.0 as usize].buffer.raw;
+        let tw = |s: &Self, id: TensorId| s.tensors[id.0 as usize].width as u32;
+        match *op {
+            Op::Embed { table, out } => {
+                let GpuWeight::Matrix {
+                    format,
+                    rows,
+                    codes,
+                    scales,
+                    ..
+                } = &self.weights[table.0 as usize]
+                else {
+                    unreachable!("check_gpu refused vector tables");
+                };
+                let splice = p.splice.as_ref().map(|(b, _)| b.raw).unwrap_or(step);
+                let kernel = Kernel::Embed { format: *format };
+                let push = push_words(&[tw(self, out), *rows as u32]);
+                let bufs = [step, codes.raw, scales.raw, splice, t(self, out)];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::PerRow,
+                    set,
+                    push,
+                    reads: vec![],
+                    writes: vec![Resource::Tensor(out.0)],
+                });
+            }
+            Op::RmsNorm {
+                x,
+                weight,
+                eps,
+                out,
+            } => {
+                let GpuWeight::Vector { data, .. } = &self.weights[weight.0 as usize] else {
+                    unreachable!("check_gpu refused matrix gains");
+                };
+                let kernel = Kernel::RmsNorm;
+                let push = push_words(&[tw(self, x), eps.to_bits()]);
+                let bufs = [step, t(self, x), data.raw, t(self, out)];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::PerRow,
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(x.0)],
+                    writes: vec![Resource::Tensor(out.0)],
+                });
+            }
+            Op::Linear {
+                weight,
+                x,
+                out,
+                rows,
+            } => {
+                let GpuWeight::Matrix {
+                    format,
+                    rows: r,
+                    cols,
+                    codes,
+                    scales,
+                    ..
+                } = &self.weights[weight.0 as usize]
+                else {
+                    unreachable!("check_gpu refused vector weights");
+                };
+                let selected = rows == Rows::Selected;
+                let (format, r) = (*format, *r as u32);
+                let push = push_words(&[r, *cols as u32, u32::from(selected)]);
+                let bufs = [step, codes.raw, scales.raw, t(self, x), t(self, out)];
+                // Every linear kernel shares one binding layout: the set works for all.
+                let kernel = Kernel::Gemm { format };
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::Linear {
+                        format,
+                        rows: r,
+                        selected,
+                    },
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(x.0)],
+                    writes: vec![Resource::Tensor(out.0)],
+                });
+            }
+            Op::Rope {
+                x,
+                head_dim,
+                theta,
+                style,
+            } => {
+                let table = self.rope_table(head_dim, theta)?;
+                let (_, freqs, theta_scale) = &self.rope_tables[table];
+                let kernel = Kernel::Rope;
+                let interleaved = u32::from(style == crate::RopeStyle::Interleaved);
+                let push = push_words(&[
+                    tw(self, x),
+                    head_dim as u32,
+                    interleaved,
+                    theta_scale.to_bits(),
+                ]);
+                let bufs = [step, t(self, x), freqs.raw];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::Elements {
+                        width: tw(self, x) / 2,
+                        per: 64,
+                    },
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(x.0)],
+                    writes: vec![Resource::Tensor(x.0)],
+                });
+            }
+            Op::SwiGlu { gate, up, out, .. } => {
+                let kernel = Kernel::SwiGlu;
+                let push = push_words(&[tw(self, out)]);
+                let bufs = [step, t(self, out), t(self, gate), t(self, up)];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::Elements {
+                        width: tw(self, out),
+                        per: 256,
+                    },
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(gate.0), Resource::Tensor(up.0)],
+                    writes: vec![Resource::Tensor(out.0)],
+                });
+            }
+            Op::Add { acc, x } => {
+                let kernel = Kernel::Add;
+                let push = push_words(&[tw(self, acc)]);
+                let bufs = [step, t(self, acc), t(self, x), t(self, x)];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::Elements {
+                        width: tw(self, acc),
+                        per: 256,
+                    },
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(acc.0), Resource::Tensor(x.0)],
+                    writes: vec![Resource::Tensor(acc.0)],
+                });
+            }
+            Op::Attention {
+                layer,
+                q,
+                k,
+                v,
+                out,
+                q_heads,
+                ..
+            } => {
+                let m = self
+                    .kv
+                    .as_ref()
+                    .expect("check_gpu refused attention without a cache");
+                let l = m.key.layout;
+                let kvf = KvFormat::of(l.dtype);
+                let scale = kv_paged::attention::default_scale(l.head_dim);
+                let push = push_words(&[
+                    layer as u32,
+                    l.kv_heads as u32,
+                    l.head_dim as u32,
+                    l.block_tokens as u32,
+                    m.block_bytes as u32,
+                    q_heads as u32,
+                    scale.to_bits(),
+                ]);
+                let pages = m.pages.raw;
+                let kernel = Kernel::KvWrite { kv: kvf };
+                let bufs = [step, t(self, k), t(self, v), pages];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::Heads {
+                        heads: l.kv_heads as u32,
+                        depth: 2,
+                    },
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(k.0), Resource::Tensor(v.0)],
+                    writes: vec![Resource::Kv],
+                });
+                let kernel = Kernel::Attention { kv: kvf };
+                let bufs = [step, t(self, q), pages, t(self, out), pages];
+                let set = self.descriptor_set(p, kernel, &bufs)?;
+                p.dispatches.push(Dispatch {
+                    kernel,
+                    grid: Grid::Heads {
+                        heads: q_heads as u32,
+                        depth: 1,
+                    },
+                    set,
+                    push,
+                    reads: vec![Resource::Tensor(q.0), Resource::Kv],
+                    writes: vec![Resource::Tensor(out.0)],
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn descriptor_set(
+        &mut self,
+        p: &Program,
+        kernel: Kernel,
+        buffers: &[vk::Buffer],
+    ) -> Result<vk::DescriptorSet, Error> {
+        let pipeline = self.pipelines.get(&self.ctx, kernel)?;
+        let layouts = [pipeline.set_layout];
+        let alloc = vk::DescriptorSetAllocateInfo::default()
+            .descriptor_pool(p.pool)
+            .set_layouts(&layouts);
+        // SAFETY: the pool (sized for two sets per op) and layout are live objects of this device.
+        let set = unsafe { self.ctx.device.allocate_descriptor_sets(&alloc) }
+            .map_err(vk_err("vkAllocateDescriptorSets"))?[0];
+        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = buffers
+            .iter()
+            .map(|&b| {
+                [vk::DescriptorBufferInfo::default()
+                    .buffer(b)
+                    .offset(0)
+                    .range(vk::WHOLE_SIZE)]
+            })
+            .collect();
+        let writes: Vec<vk::WriteDescriptorSet<'_>> = infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| {
+                vk::WriteDescriptorSet::default()
+                    .dst_set(set)
+                    .dst_binding(i as u32)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .buffer_info(info)
+            })
+            .collect();
+        // SAFETY: the set was just allocated with a layout of `buffers.len()` storage-buffer
+        // bindings (`Kernel::bindings`), and every buffer is live.
+        unsafe { self.ctx.device.update_descriptor_sets(&writes, &[]) };
+        Ok(set)
+    }
+
+    /// Records program `pi` for `shape` = (token bucket, selected-row bucket).
+    fn record(&mut self, pi: usize, shape: (usize, usize)) -> Result<Recorded, Error> {
+        let alloc = vk::CommandBufferAllocateInfo::default()
+            .command_pool(self.program_pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(1);
+        // SAFETY: the program pool is only used under `&mut self`.
+        let cb = unsafe { self.ctx.device.allocate_command_buffers(&alloc) }
+            .map_err(vk_err("vkAllocateCommandBuffers"))?[0];
+        let timestamps = if self.timestamps {
+            let info = vk::QueryPoolCreateInfo::default()
+                .query_type(vk::QueryType::TIMESTAMP)
+                .query_count(2);
+            // SAFETY: a valid create info on a live device.
+            Some(
+                unsafe { self.ctx.device.create_query_pool(&info, None) }
+                    .map_err(vk_err("vkCreateQueryPool"))?,
+            )
+        } else {
+            None
+        };
+        let recorded = Recorded {
+            commands: cb,
+            timestamps,
+        };
+        match self.record_into(pi, shape, &recorded) {
+            Ok(()) => Ok(recorded),
+            Err(e) => {
+                self.destroy_recorded(recorded);
+                Err(e)
+            }
+        }
+    }
+
+    fn record_into(
+        &mut self,
+        pi: usize,
+        (tokens, selected): (usize, usize),
+        r: &Recorded,
+    ) -> Result<(), Error> {
+        let d = self.ctx.device.clone();
+        let cb = r.commands;
+        let begin = vk::CommandBufferBeginInfo::default();
+        // SAFETY: a fresh command buffer of the program pool.
+        unsafe { d.begin_command_buffer(cb, &begin) }.map_err(vk_err("vkBeginCommandBuffer"))?;
+        if let Some(pool) = r.timestamps {
+            // SAFETY: recording; the pool has two queries.
+            unsafe {
+                d.cmd_reset_query_pool(cb, pool, 0, 2);
+            }
+            // SAFETY: as above.
+            unsafe { d.cmd_write_timestamp(cb, vk::PipelineStageFlags::TOP_OF_PIPE, pool, 0) };
+        }
+        // Earlier submissions and host writes of the step buffer come before everything here.
+        full_barrier(&d, cb);
+        let mut written: Vec<Resource> = Vec::new();
+        let mut read: Vec<Resource> = Vec::new();
+        let mut bound = vk::Pipeline::null();
+        let count = self.programs[pi].dispatches.len();
+        for i in 0..count {
+            let (kernel, grid, set, push, reads, writes) = {
+                let x = &self.programs[pi].dispatches[i];
+                (
+                    x.kernel,
+                    x.grid,
+                    x.set,
+                    x.push,
+                    x.reads.clone(),
+                    x.writes.clone(),
+                )
+            };
+            let (kernel, groups) = shape_of(kernel, grid, tokens, selected);
+            let hazard = reads.iter().chain(&writes).any(|r| written.contains(r))
+                || writes.iter().any(|w| read.contains(w));
+            if hazard {
+                compute_barrier(&d, cb);
+                written.clear();
+                read.clear();
+            }
+            written.extend(&writes);
+            read.extend(&reads);
+            let pipeline = self.pipelines.get(&self.ctx, kernel)?;
+            // Recording into `cb` below: the pipeline, its layout and the set (allocated with
+            // that layout, every binding written) are live; the push range fits the layout; the
+            // grid is within the adapter's limits (checked when the program was built).
+            if pipeline.pipeline != bound {
+                // SAFETY: see above.
+                unsafe {
+                    d.cmd_bind_pipeline(cb, vk::PipelineBindPoint::COMPUTE, pipeline.pipeline)
+                };
+                bound = pipeline.pipeline;
+            }
+            // SAFETY: see above.
+            unsafe {
+                d.cmd_bind_descriptor_sets(
+                    cb,
+                    vk::PipelineBindPoint::COMPUTE,
+                    pipeline.layout,
+                    0,
+                    &[set],
+                    &[],
+                )
+            };
+            // SAFETY: see above.
+            unsafe {
+                d.cmd_push_constants(cb, pipeline.layout, vk::ShaderStageFlags::COMPUTE, 0, &push)
+            };
+            // SAFETY: see above.
+            unsafe { d.cmd_dispatch(cb, groups[0], groups[1], groups[2]) };
+        }
+        // Results are visible to whatever follows: copies, the host, the next submission.
+        full_barrier(&d, cb);
+        if let Some(pool) = r.timestamps {
+            // SAFETY: recording; query 1 of a two-query pool.
+            unsafe { d.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 1) };
+        }
+        // SAFETY: recording, begun above.
+        unsafe { d.end_command_buffer(cb) }.map_err(vk_err("vkEndCommandBuffer"))
+    }
+
+    fn destroy_recorded(&self, r: Recorded) {
+        // SAFETY: the buffer is from the program pool and not pending (callers wait first).
+        unsafe {
+            self.ctx
+                .device
+                .free_command_buffers(self.program_pool, &[r.commands])
+        };
+        if let Some(pool) = r.timestamps {
+            // SAFETY: as above.
+            unsafe { self.ctx.device.destroy_query_pool(pool, None) };
+        }
+    }
+
+    fn destroy_program(&self, p: Program) {
+        for (_, r) in p.recorded {
+            self.destroy_recorded(r);
+        }
+        if p.pool != vk::DescriptorPool::null() {
+            // SAFETY: no pending submission uses the program (callers wait first).
+            unsafe { self.ctx.device.destroy_descriptor_pool(p.pool, None) };
+        }
+        self.ctx.destroy(p.step);
+        if let Some((b, _)) = p.splice {
+            self.ctx.destroy(b);
+        }
+    }
+
+    /// Writes the step values of `batch` (and its spliced rows) into program `pi`'s buffers.
+    fn write_step(&mut self, pi: usize, b: &Batch<'_>, kv: Option<&KvCache>) -> Result<(), Error> {
+        let p = &mut self.programs[pi];
+        let n = b.tokens.len();
+        if n > p.rows {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "a batch of {n} tokens in a program whose tensors hold {}",
+                    p.rows
+                ),
+            });
+        }
+        let (mut splice_start, mut splice_end) = (0u32, 0u32);
+        if let Some(e) = &b.embeddings {
+            let Some((buffer, width)) = p.splice.as_mut() else {
+                return Err(Error::BadOp {
+                    op: 0,
+                    what: "spliced embeddings for a program with no embedding op".into(),
+                });
+            };
+            // `check_op` proved the rows lie in the batch and the data fits them.
+            buffer.write(0, bytemuck::cast_slice(e.data))?;
+            debug_assert_eq!(e.data.len(), e.rows.len() * *width);
+            // A CPU copy into the upload buffer: counted, so the ledger stays honest.
+            uvm_alloc::CopyLedger::global()
+                .stage("gpu-splice-upload")
+                .record(std::mem::size_of_val(e.data));
+            (splice_start, splice_end) = (e.rows.start as u32, e.rows.end as u32);
+        }
+        let mut words = vec![0u32; STEP_HEADER];
+        let tokens_at = STEP_HEADER;
+        let slots_at = tokens_at + p.rows;
+        let table_at = slots_at + p.rows;
+        words[0] = n as u32;
+        words[1] = u32::try_from(b.first_pos).map_err(|_| Error::Limit { what: "positions" })?;
+        words[2] = b.select.start as u32;
+        words[3] = b.select.len() as u32;
+        words[4] = splice_start;
+        words[5] = splice_end;
+        words[6] = tokens_at as u32;
+        words[7] = slots_at as u32;
+        words[8] = table_at as u32;
+        words.extend_from_slice(b.tokens);
+        words.resize(slots_at, 0);
+        if let Some(kv) = kv {
+            let bt = kv.layout().block_tokens;
+            for s in b.slots {
+                words.push(s.block * bt as u32 + s.offset);
+            }
+            words.resize(table_at, 0);
+            let table = kv.manager().block_table(b.seq)?;
+            if table.len() > p.blocks {
+                return Err(Error::BadOp {
+                    op: 0,
+                    what: format!(
+                        "a block table of {} blocks for a cache of {}",
+                        table.len(),
+                        p.blocks
+                    ),
+                });
+            }
+            words.extend_from_slice(table);
+        }
+        p.step.write(0, bytemuck::cast_slice(&words))
+    }
+}
+
+/// The kernel and workgroup counts of a dispatch for batch shape (tokens, selected rows).
+fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kernel, [u32; 3]) {
+    let n = tokens as u32;
+    match grid {
+        Grid::PerRow => (kernel, [n, 1, 1]),
+        Grid::Elements { width, per } => (kernel, [width.div_ceil(per), n, 1]),
+        Grid::Heads { heads, depth } => (kernel, [n, heads, depth]),
+        Grid::Linear {
+            format,
+            rows,
+            selected: sel,
+        } => {
+            let m = if sel { selected as u32 } else { n };
+            match m {
+                0 | 1 => (Kernel::Gemv { format, tokens: 1 }, [rows.div_ceil(8), 1, 1]),
+                2..=8 => (Kernel::Gemv { format, tokens: 8 }, [rows.div_ceil(8), 1, 1]),
+                _ => (
+                    Kernel::Gemm { format },
+                    [rows.div_ceil(64), m.div_ceil(64), 1],
+                ),
+            }
+        }
+    }
+}
+
+fn push_words(words: &[u32]) -> [u8; PUSH_BYTES as usize] {
+    let mut out = [0u8; PUSH_BYTES as usize];
+    for (chunk, w) in out.chunks_exact_mut(4).zip(words) {
+        chunk.copy_from_slice(&w.to_le_bytes());
+    }
+    out
+}
+
+/// Every tensor an op names.
+fn op_tensors(op: &Op) -> Vec<TensorId> {
+    match *op {
+        Op::Embed { out, .. } => vec![out],
+        Op::RmsNorm { x, out, .. } | Op::Linear { x, out, .. } => vec![x, out],
+        Op::Rope { x, .. } => vec![x],
+        Op::SwiGlu { gate, up, out, .. } => vec![gate, up, out],
+        Op::Add { acc, x } => vec![acc, x],
+        Op::Attention { q, k, v, out, .. } => vec![q, k, v, out],
+    }
+}
+
+/// Orders everything before against everything after: shader, transfer and host accesses.
+fn full_barrier(d: &ash::Device, cb: vk::CommandBuffer) {
+    let all = vk::AccessFlags::SHADER_READ
+        | vk::AccessFlags::SHADER_WRITE
+        | vk::AccessFlags::TRANSFER_READ
+        | vk::AccessFlags::TRANSFER_WRITE
+        | vk::AccessFlags::HOST_READ
+        | vk::AccessFlags::HOST_WRITE;
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(all)
+        .dst_access_mask(all)];
+    // SAFETY: recording into `cb`; a global memory barrier with valid stage and access masks.
+    unsafe {
+        d.cmd_pipeline_barrier(
+            cb,
+            vk::PipelineStageFlags::ALL_COMMANDS,
+            vk::PipelineStageFlags::ALL_COMMANDS,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        )
+    };
+}
+
+/// Orders earlier compute writes before later compute reads and writes.
+fn compute_barrier(d: &ash::Device, cb: vk::CommandBuffer) {
+    let barrier = [vk::MemoryBarrier::default()
+        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::SHADER_READ)
+        .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+    // SAFETY: recording into `cb`; a global memory barrier between compute stages.
+    unsafe {
+        d.cmd_pipeline_barrier(
+            cb,
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::PipelineStageFlags::COMPUTE_SHADER,
+            vk::DependencyFlags::empty(),
+            &barrier,
+            &[],
+            &[],
+        )
+    };
+}
+
+/// A weight in its GPU planes: `(format, codes, scales)` bytes.
+fn planes(weight: &Weight) -> Option<(WeightFormat, Vec<u8>, Vec<u8>)> {
+    match weight {
+        Weight::Mx(m) => {
+            let (scales, packed) = m.to_linear();
+            let codes = mx_quant::wgsl::code_words(&packed);
+            let scales = mx_quant::wgsl::words(&scales);
+            Some((
+                WeightFormat::Mx(m.format()),
+                bytemuck::cast_slice(&codes).to_vec(),
+                bytemuck::cast_slice(&scales).to_vec(),
+            ))
+        }
+        Weight::Dense(d) => {
+            let data = d.data();
+            let f16_exact = data
+                .iter()
+                .all(|&v| half::f16::from_f32(v).to_f32().to_bits() == v.to_bits());
+            let bf16_exact = data
+                .iter()
+                .all(|&v| half::bf16::from_f32(v).to_f32().to_bits() == v.to_bits());
+            let (format, codes) = if f16_exact {
+                let h: Vec<half::f16> = data.iter().map(|&v| half::f16::from_f32(v)).collect();
+                (WeightFormat::F16, bytemuck::cast_slice(&h).to_vec())
+            } else if bf16_exact {
+                let h: Vec<half::bf16> = data.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                (WeightFormat::Bf16, bytemuck::cast_slice(&h).to_vec())
+            } else {
+                (WeightFormat::F32, bytemuck::cast_slice(data).to_vec())
+            };
+            Some((format, codes, vec![0; 4]))
+        }
+        Weight::Block(b) => {
+            use crate::ggml::BlockType;
+            let ty = b.block_type();
+            let block = ty.block_bytes();
+            let (format, header, quants) = match ty {
+                BlockType::Q8_0 => (WeightFormat::Q8_0, 2, 32),
+                BlockType::Q4_0 => (WeightFormat::Q4_0, 2, 16),
+                BlockType::Q4_1 => (WeightFormat::Q4_1, 4, 16),
+            };
+            let mut codes = Vec::with_capacity(b.raw().len());
+            let mut scales = Vec::new();
+            for blk in b.raw().chunks_exact(block) {
+                let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                scales.extend_from_slice(&d.to_le_bytes());
+                if header == 4 {
+                    let m = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                    scales.extend_from_slice(&m.to_le_bytes());
+                }
+                codes.extend_from_slice(&blk[header..header + quants]);
+            }
+            Some((format, codes, scales))
+        }
+        Weight::Vector(_) => None,
+    }
+}
+
+impl Device for VulkanNpu {
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo {
+            kind: DeviceKind::Gpu,
+            name: format!(
+                "{} ({}, Vulkan)",
+                self.ctx.adapter.name,
+                self.ctx.adapter.kind_name()
+            ),
+            parallelism: 1,
+            isa: "SPIR-V (WGSL via naga)".into(),
+        }
+    }
+
+    fn load_weight(&mut self, weight: Weight) -> Result<WeightId, Error> {
+        let id = u32::try_from(self.weights.len()).map_err(|_| Error::Limit { what: "weights" })?;
+        let (rows, cols) = weight.shape();
+        let bytes = weight.bytes();
+        let gpu = match planes(&weight) {
+            Some((format, codes, scales)) => {
+                if let WeightFormat::Mx(f) = format {
+                    mx_quant::wgsl::check_shape(f, rows, cols)?;
+                }
+                for plane in [&codes, &scales] {
+                    if plane.len() as u64 > u64::from(self.ctx.max_storage_range) {
+                        return Err(Error::Unsupported {
+                            what: "a weight this large",
+                            why: format!(
+                                "{rows}x{cols} takes {} bytes, past the adapter's {} byte storage-buffer range",
+                                plane.len(),
+                                self.ctx.max_storage_range
+                            ),
+                        });
+                    }
+                }
+                let codes = self.upload(&codes)?;
+                let scales = match self.upload(&scales) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.ctx.destroy(codes);
+                        return Err(e);
+                    }
+                };
+                GpuWeight::Matrix {
+                    format,
+                    rows,
+                    cols,
+                    codes,
+                    scales,
+                    bytes,
+                }
+            }
+            None => {
+                let Weight::Vector(v) = &weight else {
+                    unreachable!("planes() covers every matrix")
+                };
+                GpuWeight::Vector {
+                    data: self.upload(bytemuck::cast_slice(v))?,
+                    len: v.len(),
+                }
+            }
+        };
+        self.weights.push(gpu);
+        Ok(WeightId(id))
+    }
+
+    fn weight_shape(&self, weight: WeightId) -> Option<(usize, usize)> {
+        self.weight_shape_of(weight)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weights
+            .iter()
+            .map(|w| match w {
+                GpuWeight::Matrix { bytes, .. } => *bytes,
+                GpuWeight::Vector { len, .. } => len * 4,
+            })
+            .sum()
+    }
+
+    fn create_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error> {
+        let bytes = width
+            .checked_mul(max_rows)
+            .and_then(|e| e.checked_mul(4))
+            .filter(|&b| b > 0 && b as u64 <= u64::from(self.ctx.max_storage_range))
+            .ok_or(Error::Limit {
+                what: "tensor size (width * rows * 4 must be > 0 and within the storage-buffer range)",
+            })?;
+        let id = u32::try_from(self.tensors.len()).map_err(|_| Error::Limit { what: "tensors" })?;
+        let buffer = self.ctx.buffer(bytes as u64, Memory::Device)?;
+        self.tensors.push(GpuTensor {
+            width,
+            max_rows,
+            buffer,
+        });
+        Ok(TensorId(id))
+    }
+
+    fn tensor_shape(&self, tensor: TensorId) -> Option<(usize, usize)> {
+        self.tensors
+            .get(tensor.0 as usize)
+            .map(|t| (t.width, t.max_rows))
+    }
+
+    fn submit(&mut self, s: Submission<'_>) -> Result<(), Error> {
+        let Submission {
+            ops,
+            batch,
+            kv,
+            wait,
+            signal,
+        } = s;
+        if batch.tokens.is_empty() {
+            return Err(Error::BadOp {
+                op: 0,
+                what: "the batch has no tokens".into(),
+            });
+        }
+        let kv: Option<&KvCache> = kv.map(|k| &*k);
+        let kv_key = match kv {
+            Some(k) if ops.iter().any(|o| matches!(o, Op::Attention { .. })) => {
+                Some(self.mirror(k)?)
+            }
+            _ => None,
+        };
+        let weight_shape = |w: WeightId| self.weight_shape_of(w);
+        let tensor_shape = |t: TensorId| self.tensor_shape(t);
+        for (i, op) in ops.iter().enumerate() {
+            check_op(
+                i,
+                op,
+                &batch,
+                kv.map(KvCache::layout),
+                &weight_shape,
+                &tensor_shape,
+            )?;
+            self.check_gpu(i, op)?;
+            if let Op::Embed { table, .. } = op {
+                let (vocab, _) = self.weight_shape_of(*table).unwrap_or((0, 0));
+                let spliced = batch.embeddings.as_ref().map_or(0..0, |e| e.rows.clone());
+                if let Some((r, t)) = batch
+                    .tokens
+                    .iter()
+                    .enumerate()
+                    .find(|(r, t)| !spliced.contains(r) && **t as usize >= vocab)
+                {
+                    return Err(Error::BadOp {
+                        op: i,
+                        what: format!(
+                            "embed: token id {t} (row {r}) is outside the vocabulary of {vocab}"
+                        ),
+                    });
+                }
+            }
+        }
+        let pi = match self.find_program(ops, kv_key) {
+            Some(i) => i,
+            None => {
+                let p = self.build_program(ops, kv_key)?;
+                self.programs.push(p);
+                self.programs.len() - 1
+            }
+        };
+        // The step buffer is rewritten only once the program's last run is done.
+        self.wait_done(self.programs[pi].last)?;
+        self.write_step(pi, &batch, kv)?;
+        let shape = (
+            batch.tokens.len().next_power_of_two(),
+            batch.select.len().next_power_of_two(),
+        );
+        if !self.programs[pi].recorded.contains_key(&shape) {
+            let r = self.record(pi, shape)?;
+            self.programs[pi].recorded.insert(shape, r);
+        }
+        // Same-device Vulkan timelines are waited on and signalled in the queue; anything else
+        // from the host.
+        let device = self.ctx.device.handle();
+        let same = |t: &dyn Timeline| match t.backend() {
+            sync_timeline::Backend::Vulkan(v) if v.device().handle() == device => {
+                Some(v as *const VulkanTimeline)
+            }
+            _ => None,
+        };
+        let mut waits: Vec<(&VulkanTimeline, u64)> = Vec::new();
+        if let Some((t, v)) = wait {
+            match t.backend() {
+                sync_timeline::Backend::Vulkan(vt) if same(t).is_some() => waits.push((vt, v)),
+                _ => {
+                    if t.value()? < v {
+                        self.host_waits.fetch_add(1, Ordering::Relaxed);
+                    }
+                    t.wait(v, self.wait_timeout)?;
+                }
+            }
+        }
+        let mut signals: Vec<(&VulkanTimeline, u64)> = Vec::new();
+        let mut host_signal = None;
+        if let Some((t, v)) = signal {
+            match t.backend() {
+                sync_timeline::Backend::Vulkan(vt) if same(t).is_some() => {
+                    let current = vt.value()?;
+                    if v <= current {
+                        return Err(Error::Timeline(sync_timeline::Error::Backwards {
+                            current,
+                            requested: v,
+                        }));
+                    }
+                    signals.push((vt, v))
+                }
+                _ => host_signal = Some((t, v)),
+            }
+        }
+        let commands = self.programs[pi].recorded[&shape].commands;
+        let value = self.submit_raw(commands, &waits, &signals)?;
+        self.programs[pi].last = value;
+        if let Some((t, v)) = host_signal {
+            self.wait_done(value)?;
+            t.signal(v)?;
+        }
+        Ok(())
+    }
+
+    fn read_tensor(
+        &self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        if rows.start > rows.end || rows.end > t.max_rows || out.len() != rows.len() * t.width {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "read_tensor: rows {rows:?} of {} / output of {} values for width {}",
+                    t.max_rows,
+                    out.len(),
+                    t.width
+                ),
+            });
+        }
+        self.wait_all()?;
+        let offset = rows.start * t.width * 4;
+        let len = out.len() * 4;
+        if t.buffer.is_mapped() {
+            self.last_program_time();
+            return t.buffer.read(offset, bytemuck::cast_slice_mut(out));
+        }
+        let mut transfer = self.transfer.lock().unwrap_or_else(|p| p.into_inner());
+        if transfer
+            .readback
+            .as_ref()
+            .is_none_or(|b| (b.size as usize) < len)
+        {
+            if let Some(old) = transfer.readback.take() {
+                self.ctx.destroy(old);
+            }
+            transfer.readback = Some(
+                self.ctx
+                    .buffer(len.next_power_of_two() as u64, Memory::Readback)?,
+            );
+        }
+        let dst = transfer
+            .readback
+            .as_ref()
+            .map(|b| b.raw)
+            .expect("allocated above");
+        let region = [vk::BufferCopy::default()
+            .src_offset(offset as u64)
+            .size(len as u64)];
+        let src = t.buffer.raw;
+        self.one_shot(&mut transfer, |d, cb| {
+            // SAFETY: both buffers are live; the region lies inside the tensor (checked above)
+            // and the readback buffer (sized above).
+            unsafe { d.cmd_copy_buffer(cb, src, dst, &region) }
+        })?;
+        transfer
+            .readback
+            .as_ref()
+            .expect("allocated above")
+            .read(0, bytemuck::cast_slice_mut(out))?;
+        self.readback_ledger.record(len);
+        drop(transfer);
+        self.last_program_time();
+        Ok(())
+    }
+
+    fn write_tensor(
+        &mut self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        data: &[f32],
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        if rows.start > rows.end || rows.end > t.max_rows || data.len() != rows.len() * t.width {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "write_tensor: rows {rows:?} of {} / input of {} values for width {}",
+                    t.max_rows,
+                    data.len(),
+                    t.width
+                ),
+            });
+        }
+        self.wait_all()?;
+        let offset = rows.start * t.width * 4;
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        if t.buffer.is_mapped() {
+            return self.tensors[tensor.0 as usize].buffer.write(offset, bytes);
+        }
+        let raw = &self.tensors[tensor.0 as usize].buffer;
+        self.stage_into(raw, offset as u64, bytes)
+    }
+
+    fn timeline(&self) -> Option<Arc<dyn Timeline>> {
+        Some(self.public.clone())
+    }
+}
+
+impl VulkanNpu {
+    /// Reads the GPU time of the most recently submitted program (all work is complete).
+    fn last_program_time(&self) {
+        let Some(p) = self.programs.iter().max_by_key(|p| p.last) else {
+            return;
+        };
+        let Some(pool) = p.recorded.values().find_map(|r| r.timestamps) else {
+            return;
+        };
+        let mut stamps = [0u64; 2];
+        // SAFETY: a live two-query pool whose last submission has completed (the callers waited
+        // for all work); 64-bit results into an array of two.
+        let ok = unsafe {
+            self.ctx.device.get_query_pool_results(
+                pool,
+                0,
+                &mut stamps,
+                vk::QueryResultFlags::TYPE_64,
+            )
+        };
+        if ok.is_ok() {
+            let ns = stamps[1].saturating_sub(stamps[0]) as f64
+                * f64::from(self.ctx.timestamp_period_ns);
+            self.last_gpu_ns.store(ns as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for VulkanNpu {
+    fn drop(&mut self) {
+        // Nothing may be destroyed under the queue: wait for it (a lost device leaks rather than
+        // destroy objects the GPU may still use).
+        let idle = self.wait_all().is_ok();
+        if !idle {
+            return;
+        }
+        for p in std::mem::take(&mut self.programs) {
+            self.destroy_program(p);
+        }
+        self.pipelines.destroy(&self.ctx);
+        for w in std::mem::take(&mut self.weights) {
+            match w {
+                GpuWeight::Matrix { codes, scales, .. } => {
+                    self.ctx.destroy(codes);
+                    self.ctx.destroy(scales);
+                }
+                GpuWeight::Vector { data, .. } => self.ctx.destroy(data),
+            }
+        }
+        for t in std::mem::take(&mut self.tensors) {
+            self.ctx.destroy(t.buffer);
+        }
+        for (_, b, _) in std::mem::take(&mut self.rope_tables) {
+            self.ctx.destroy(b);
+        }
+        if let Some(m) = self.kv.take() {
+            self.ctx.destroy(m.pages);
+        }
+        let transfer = self.transfer.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = transfer.readback.take() {
+            self.ctx.destroy(b);
+        }
+        // SAFETY: the queue is idle (waited above); the pools' buffers are not pending.
+        unsafe {
+            self.ctx.device.destroy_command_pool(transfer.pool, None);
+        }
+        // SAFETY: as above.
+        unsafe {
+            self.ctx
+                .device
+                .destroy_command_pool(self.program_pool, None)
+        };
+    }
+}

@@ -1,0 +1,406 @@
+//! The decoder's kernels: WGSL modules assembled per variant (weight format, KV dtype, tokens
+//! per GEMV), compiled to SPIR-V with naga (the compiler wgpu uses, so no shader toolchain is
+//! needed at build or run time), and turned into compute pipelines on first use.
+//!
+//! Every kernel reads the step buffer at binding 0 and takes its per-op constants as push
+//! constants ([`PUSH_BYTES`](super::gpu::PUSH_BYTES) at most). Storage accesses are bounds-
+//! checked by naga's `Restrict` policy, so a kernel cannot reach outside the buffers bound to it
+//! whatever the step values say.
+
+use std::collections::HashMap;
+
+use ash::vk;
+use mx_quant::ElemFormat;
+
+use super::gpu::{Context, PUSH_BYTES, vk_err};
+use crate::Error;
+
+const COMMON: &str = include_str!("shaders/common.wgsl");
+const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
+const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
+const GEMV: &str = include_str!("shaders/linear_gemv.wgsl");
+const GEMM: &str = include_str!("shaders/linear_gemm.wgsl");
+const EMBED: &str = include_str!("shaders/embed.wgsl");
+const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
+const ROPE: &str = include_str!("shaders/rope.wgsl");
+const KV_COMMON: &str = include_str!("shaders/kv_common.wgsl");
+const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
+const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+
+/// How a weight matrix is stored on the GPU (see `shaders/weights.wgsl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum WeightFormat {
+    Mx(ElemFormat),
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+impl WeightFormat {
+    fn code(self) -> u32 {
+        match self {
+            WeightFormat::Mx(_) => 0,
+            WeightFormat::F32 => 1,
+            WeightFormat::F16 => 2,
+            WeightFormat::Bf16 => 3,
+            WeightFormat::Q8_0 => 4,
+            WeightFormat::Q4_0 => 5,
+            WeightFormat::Q4_1 => 6,
+        }
+    }
+}
+
+/// How KV pages are stored (kv-paged's dtypes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum KvFormat {
+    F32,
+    F16,
+    Bf16,
+    Mx(ElemFormat),
+}
+
+impl KvFormat {
+    pub(crate) fn of(dtype: kv_paged::PageDtype) -> KvFormat {
+        use kv_paged::PageDtype as D;
+        match dtype {
+            D::F32 => KvFormat::F32,
+            D::F16 => KvFormat::F16,
+            D::Bf16 => KvFormat::Bf16,
+            D::Mxfp8 => KvFormat::Mx(ElemFormat::Fp8E4M3),
+            D::Mxfp4 => KvFormat::Mx(ElemFormat::Fp4E2M1),
+        }
+    }
+
+    fn code(self) -> u32 {
+        match self {
+            KvFormat::F32 => 0,
+            KvFormat::F16 => 1,
+            KvFormat::Bf16 => 2,
+            KvFormat::Mx(_) => 3,
+        }
+    }
+}
+
+/// One compiled kernel variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Kernel {
+    RmsNorm,
+    /// A GEMV over up to `tokens` tokens per workgroup row.
+    Gemv {
+        format: WeightFormat,
+        tokens: u32,
+    },
+    Gemm {
+        format: WeightFormat,
+    },
+    Embed {
+        format: WeightFormat,
+    },
+    Add,
+    SwiGlu,
+    Rope,
+    KvWrite {
+        kv: KvFormat,
+    },
+    Attention {
+        kv: KvFormat,
+    },
+}
+
+impl Kernel {
+    /// Storage buffers the kernel binds (0 is always the step buffer).
+    pub(crate) fn bindings(self) -> u32 {
+        match self {
+            Kernel::Rope => 3,
+            Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu | Kernel::KvWrite { .. } => 4,
+            Kernel::Gemv { .. }
+            | Kernel::Gemm { .. }
+            | Kernel::Embed { .. }
+            | Kernel::Attention { .. } => 5,
+        }
+    }
+
+    /// The WGSL module of this variant.
+    pub(crate) fn source(self) -> String {
+        let mut s = String::from(COMMON);
+        let weights = |s: &mut String, format: WeightFormat| {
+            s.push_str(&format!("const W_FORMAT: u32 = {}u;\n", format.code()));
+            // The MX decoder is part of every weight module (its branch is dead for the others,
+            // which still need its constants declared).
+            let mx = match format {
+                WeightFormat::Mx(f) => f,
+                _ => ElemFormat::Fp8E4M3,
+            };
+            s.push_str(&mx_quant::wgsl::decode_constants(mx));
+            s.push_str(WEIGHTS);
+            s.push_str(mx_quant::wgsl::DECODE_SOURCE);
+        };
+        match self {
+            Kernel::RmsNorm => s.push_str(RMS_NORM),
+            Kernel::Gemv { format, tokens } => {
+                s.push_str(&format!("const NT: u32 = {tokens}u;\n"));
+                weights(&mut s, format);
+                s.push_str(GEMV);
+            }
+            Kernel::Gemm { format } => {
+                weights(&mut s, format);
+                s.push_str(GEMM);
+            }
+            Kernel::Embed { format } => {
+                weights(&mut s, format);
+                s.push_str(EMBED);
+            }
+            Kernel::Add => {
+                s.push_str("const OP: u32 = 0u;\n");
+                s.push_str(ELEMENTWISE);
+            }
+            Kernel::SwiGlu => {
+                s.push_str("const OP: u32 = 1u;\n");
+                s.push_str(ELEMENTWISE);
+            }
+            Kernel::Rope => s.push_str(ROPE),
+            Kernel::KvWrite { kv } => {
+                kv_constants(&mut s, kv);
+                s.push_str(KV_COMMON);
+                if let KvFormat::Mx(_) = kv {
+                    s.push_str(
+                        "@group(0) @binding(3) var<storage, read_write> kv: array<atomic<u32>>;\n\
+                         fn kv_store(i: u32, w: u32) { atomicStore(&kv[i], w); }\n\
+                         fn kv_set_byte(i: u32, shift: u32, b: u32) {\n\
+                             atomicAnd(&kv[i], ~(0xFFu << shift));\n\
+                             atomicOr(&kv[i], b << shift);\n\
+                         }\n",
+                    );
+                } else {
+                    s.push_str(
+                        "@group(0) @binding(3) var<storage, read_write> kv: array<u32>;\n\
+                         fn kv_store(i: u32, w: u32) { kv[i] = w; }\n\
+                         fn kv_set_byte(i: u32, shift: u32, b: u32) {}\n",
+                    );
+                }
+                s.push_str(KV_WRITE);
+            }
+            Kernel::Attention { kv } => {
+                kv_constants(&mut s, kv);
+                s.push_str(KV_COMMON);
+                if let KvFormat::Mx(_) = kv {
+                    s.push_str(
+                        "@group(0) @binding(2) var<storage, read> mx_codes: array<u32>;\n\
+                         @group(0) @binding(4) var<storage, read> mx_scales: array<u32>;\n\
+                         fn kv_word(i: u32) -> u32 { return mx_codes[i]; }\n\
+                         fn kv_mx_elem(page: u32, token: u32, d: u32) -> f32 {\n\
+                             let pl = pc.head_dim * MX_ELEM_BITS / 8u;\n\
+                             let code = mx_code_at((page + token * pl) * 8u + d * MX_ELEM_BITS);\n\
+                             let s = mx_scale_at(page + pc.block_tokens * pl + token * (pc.head_dim / 32u) + d / 32u);\n\
+                             return mx_decode(code) * s;\n\
+                         }\n",
+                    );
+                    s.push_str(mx_quant::wgsl::DECODE_SOURCE);
+                } else {
+                    s.push_str(
+                        "@group(0) @binding(2) var<storage, read> kv: array<u32>;\n\
+                         fn kv_word(i: u32) -> u32 { return kv[i]; }\n\
+                         fn kv_mx_elem(page: u32, token: u32, d: u32) -> f32 { return 0.0; }\n",
+                    );
+                }
+                s.push_str(ATTENTION);
+            }
+        }
+        s
+    }
+}
+
+/// `KV_DTYPE`, the MX decoding constants (a placeholder format for non-MX pages), and the
+/// encoder's saturation bound and largest exponent.
+fn kv_constants(s: &mut String, kv: KvFormat) {
+    let mx = match kv {
+        KvFormat::Mx(f) => f,
+        _ => ElemFormat::Fp8E4M3,
+    };
+    s.push_str(&format!("const KV_DTYPE: u32 = {}u;\n", kv.code()));
+    s.push_str(&mx_quant::wgsl::decode_constants(mx));
+    let max = mx.max_normal();
+    s.push_str(&format!(
+        "const MX_MAXV: f32 = {max:?};\nconst MX_EMAX: i32 = {};\n",
+        mx.emax()
+    ));
+}
+
+/// WGSL to SPIR-V.
+pub(crate) fn compile(source: &str) -> Result<Vec<u32>, Error> {
+    use naga::back::spv;
+    use naga::proc::{BoundsCheckPolicies, BoundsCheckPolicy};
+    let module = naga::front::wgsl::parse_str(source).map_err(|e| Error::Shader {
+        message: e.emit_to_string(source),
+    })?;
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::IMMEDIATES
+            | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+    )
+    .validate(&module)
+    .map_err(|e| Error::Shader {
+        message: e.emit_to_string(source),
+    })?;
+    let options = spv::Options {
+        lang_version: (1, 3),
+        flags: spv::WriterFlags::empty(),
+        bounds_check_policies: BoundsCheckPolicies {
+            index: BoundsCheckPolicy::Restrict,
+            buffer: BoundsCheckPolicy::Restrict,
+            ..BoundsCheckPolicies::default()
+        },
+        force_loop_bounding: false,
+        // Every kernel writes its workgroup memory before reading it; zeroing it first costs a
+        // store per element, which llvmpipe turns into minutes of compilation.
+        zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
+        ..spv::Options::default()
+    };
+    let pipeline = spv::PipelineOptions {
+        shader_stage: naga::ShaderStage::Compute,
+        entry_point: "main".into(),
+    };
+    spv::write_vec(&module, &info, &options, Some(&pipeline)).map_err(|e| Error::Shader {
+        message: e.to_string(),
+    })
+}
+
+/// A compute pipeline and the layouts it was made with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pipeline {
+    pub(crate) pipeline: vk::Pipeline,
+    pub(crate) layout: vk::PipelineLayout,
+    pub(crate) set_layout: vk::DescriptorSetLayout,
+}
+
+/// Pipelines by variant, built on first use, and one set layout per binding count.
+#[derive(Debug, Default)]
+pub(crate) struct Pipelines {
+    set_layouts: HashMap<u32, (vk::DescriptorSetLayout, vk::PipelineLayout)>,
+    built: HashMap<Kernel, Pipeline>,
+}
+
+impl Pipelines {
+    pub(crate) fn get(&mut self, ctx: &Context, kernel: Kernel) -> Result<Pipeline, Error> {
+        if let Some(p) = self.built.get(&kernel) {
+            return Ok(*p);
+        }
+        let (set_layout, layout) = self.layouts(ctx, kernel.bindings())?;
+        let spirv = compile(&kernel.source())?;
+        let info = vk::ShaderModuleCreateInfo::default().code(&spirv);
+        // SAFETY: valid SPIR-V from naga's writer, on a live device.
+        let module = unsafe { ctx.device.create_shader_module(&info, None) }
+            .map_err(vk_err("vkCreateShaderModule"))?;
+        let stage = vk::PipelineShaderStageCreateInfo::default()
+            .stage(vk::ShaderStageFlags::COMPUTE)
+            .module(module)
+            .name(c"main");
+        let create = [vk::ComputePipelineCreateInfo::default()
+            .stage(stage)
+            .layout(layout)];
+        // SAFETY: the module and layout are live objects of this device; the module's bindings
+        // and push constants fit the layout (the kernel's binding count, PUSH_BYTES).
+        let made = unsafe {
+            ctx.device
+                .create_compute_pipelines(vk::PipelineCache::null(), &create, None)
+        };
+        // SAFETY: the module is not needed once the pipeline exists (or failed).
+        unsafe { ctx.device.destroy_shader_module(module, None) };
+        let pipeline = made.map_err(|(_, r)| vk_err("vkCreateComputePipelines")(r))?[0];
+        let p = Pipeline {
+            pipeline,
+            layout,
+            set_layout,
+        };
+        self.built.insert(kernel, p);
+        Ok(p)
+    }
+
+    fn layouts(
+        &mut self,
+        ctx: &Context,
+        bindings: u32,
+    ) -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout), Error> {
+        if let Some(l) = self.set_layouts.get(&bindings) {
+            return Ok(*l);
+        }
+        let binds: Vec<vk::DescriptorSetLayoutBinding<'_>> = (0..bindings)
+            .map(|b| {
+                vk::DescriptorSetLayoutBinding::default()
+                    .binding(b)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(1)
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE)
+            })
+            .collect();
+        let info = vk::DescriptorSetLayoutCreateInfo::default().bindings(&binds);
+        // SAFETY: a valid create info on a live device.
+        let set_layout = unsafe { ctx.device.create_descriptor_set_layout(&info, None) }
+            .map_err(vk_err("vkCreateDescriptorSetLayout"))?;
+        let sets = [set_layout];
+        let push = [vk::PushConstantRange::default()
+            .stage_flags(vk::ShaderStageFlags::COMPUTE)
+            .size(PUSH_BYTES)];
+        let info = vk::PipelineLayoutCreateInfo::default()
+            .set_layouts(&sets)
+            .push_constant_ranges(&push);
+        // SAFETY: as above; the set layout was just created.
+        let layout = unsafe { ctx.device.create_pipeline_layout(&info, None) }
+            .map_err(vk_err("vkCreatePipelineLayout"))?;
+        self.set_layouts.insert(bindings, (set_layout, layout));
+        Ok((set_layout, layout))
+    }
+
+    /// Destroys every pipeline and layout. No command buffer using them may be pending.
+    pub(crate) fn destroy(&mut self, ctx: &Context) {
+        for (_, p) in self.built.drain() {
+            // SAFETY: objects of this device that no pending work uses (the caller's contract).
+            unsafe { ctx.device.destroy_pipeline(p.pipeline, None) };
+        }
+        for (_, (set, layout)) in self.set_layouts.drain() {
+            // SAFETY: as above.
+            unsafe { ctx.device.destroy_pipeline_layout(layout, None) };
+            // SAFETY: as above.
+            unsafe { ctx.device.destroy_descriptor_set_layout(set, None) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every variant the backend can ask for parses, validates and compiles.
+    #[test]
+    fn every_kernel_variant_compiles() {
+        let mut kernels = vec![Kernel::RmsNorm, Kernel::Add, Kernel::SwiGlu, Kernel::Rope];
+        let formats = ElemFormat::ALL.into_iter().map(WeightFormat::Mx).chain([
+            WeightFormat::F32,
+            WeightFormat::F16,
+            WeightFormat::Bf16,
+            WeightFormat::Q8_0,
+            WeightFormat::Q4_0,
+            WeightFormat::Q4_1,
+        ]);
+        for format in formats {
+            kernels.extend([
+                Kernel::Gemv { format, tokens: 1 },
+                Kernel::Gemv { format, tokens: 8 },
+                Kernel::Gemm { format },
+                Kernel::Embed { format },
+            ]);
+        }
+        for dtype in kv_paged::PageDtype::ALL {
+            let kv = KvFormat::of(dtype);
+            kernels.extend([Kernel::KvWrite { kv }, Kernel::Attention { kv }]);
+        }
+        for k in kernels {
+            if let Err(e) = compile(&k.source()) {
+                panic!("{k:?}: {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,31 @@
+// KV page addressing, as kv-paged lays blocks out: a block holds, for each layer, K then V,
+// each [kv_head][token][head_dim]; one head's page is block_tokens vectors. f32/f16/bf16
+// vectors are raw little-endian values; MX pages are planar (every token's packed codes, then
+// every token's E8M0 scales, one per 32 elements). The module declares KV_DTYPE
+// (0 f32, 1 f16, 2 bf16, 3 MX with the MX_* constants of mx_decode.wgsl).
+struct KvParams {
+    layer: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    block_tokens: u32,
+    block_bytes: u32,
+    q_heads: u32,
+    scale: f32,
+}
+var<immediate> pc: KvParams;
+
+// Bytes of one token-head vector.
+fn kv_vector_bytes() -> u32 {
+    if (KV_DTYPE == 0u) {
+        return 4u * pc.head_dim;
+    } else if (KV_DTYPE == 3u) {
+        return pc.head_dim * MX_ELEM_BITS / 8u + pc.head_dim / 32u;
+    }
+    return 2u * pc.head_dim;
+}
+
+// Byte offset of the page of (block, K or V, head) for this op's layer.
+fn kv_page(block: u32, is_v: u32, head: u32) -> u32 {
+    return block * pc.block_bytes
+        + ((pc.layer * 2u + is_v) * pc.kv_heads + head) * pc.block_tokens * kv_vector_bytes();
+}

@@ -1,0 +1,72 @@
+// y[t][row] = sum_k W[row][k] x[t][k] for prefill batches: 64 rows x 64 tokens per workgroup,
+// 32 columns per step staged in workgroup memory (the weights decoded once per tile), 4 x 4
+// outputs per invocation. The module declares W_FORMAT.
+struct Params {
+    rows: u32,
+    cols: u32,
+    selected: u32,
+}
+var<immediate> pc: Params;
+@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+
+const BM: u32 = 64u;
+const BN: u32 = 64u;
+const BK: u32 = 32u;
+// [k][row / 4] and [k][token / 4]: each element packs four neighbouring rows (tokens).
+var<workgroup> ws: array<vec4<f32>, 512>;
+var<workgroup> xs: array<vec4<f32>, 512>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let span = step_linear_rows(pc.selected);
+    let row0 = wg.x * BM;
+    let tok0 = wg.y * BN;
+    if (tok0 >= span.y) {
+        return;
+    }
+    let tr = lid % 16u;
+    let tt = lid / 16u;
+    let k4s = pc.cols / 4u;
+    var acc: array<vec4<f32>, 4>;
+    for (var k0 = 0u; k0 < pc.cols; k0 += BK) {
+        for (var i = 0u; i < 2u; i++) {
+            let idx = lid + i * 256u;
+            let r = idx / 8u;
+            let kq = idx % 8u;
+            var w = vec4<f32>(0.0);
+            if (row0 + r < pc.rows) {
+                w = w4(row0 + r, k0 + kq * 4u, pc.cols);
+            }
+            for (var j = 0u; j < 4u; j++) {
+                ws[(kq * 4u + j) * 16u + r / 4u][r % 4u] = w[j];
+            }
+            var v = vec4<f32>(0.0);
+            if (tok0 + r < span.y) {
+                v = x[(span.x + tok0 + r) * k4s + k0 / 4u + kq];
+            }
+            for (var j = 0u; j < 4u; j++) {
+                xs[(kq * 4u + j) * 16u + r / 4u][r % 4u] = v[j];
+            }
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+            let a = ws[kk * 16u + tr];
+            let b = xs[kk * 16u + tt];
+            acc[0] += a.x * b;
+            acc[1] += a.y * b;
+            acc[2] += a.z * b;
+            acc[3] += a.w * b;
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let row = row0 + tr * 4u + i;
+        for (var j = 0u; j < 4u; j++) {
+            let t = tok0 + tt * 4u + j;
+            if (row < pc.rows && t < span.y) {
+                y[t * pc.rows + row] = acc[i][j];
+            }
+        }
+    }
+}
