@@ -228,6 +228,24 @@ pub trait Device: Send + std::fmt::Debug {
     fn timeline(&self) -> Option<std::sync::Arc<dyn Timeline>> {
         None
     }
+    /// Counters since the device was opened (zero where a device keeps none).
+    fn stats(&self) -> DeviceStats {
+        DeviceStats::default()
+    }
+}
+
+/// Where a device's time went, since it was opened: what `pipeline bench` splits a token into.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DeviceStats {
+    pub submissions: u64,
+    /// Times a call blocked its thread on device work or on a timeline another engine signals.
+    pub host_waits: u64,
+    /// Host time inside [`Device::submit`]: checks, step values, queue submission.
+    pub submit_time: std::time::Duration,
+    /// Host time inside [`Device::read_tensor`] once results were ready: the copy out.
+    pub readback_time: std::time::Duration,
+    /// Execution time of the submissions on the device (GPU timestamps), where it has a clock.
+    pub device_time: Option<std::time::Duration>,
 }
 
 /// The discovery side of the trait family: what devices a backend can open on this machine.

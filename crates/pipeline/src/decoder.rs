@@ -276,7 +276,9 @@ pub struct Decoder {
     report: LoadReport,
     seq: kv_paged::SeqId,
     len: usize,
-    timeline: Arc<CpuTimeline>,
+    /// The device's own timeline where it has one (a GPU's, signalled in its queue), else a
+    /// CPU timeline: each submission waits for the previous one's value and signals the next.
+    timeline: Arc<dyn Timeline>,
     tick: u64,
     /// Host copy of the head's logits, reused across calls (an error path may drop it; the
     /// next call reallocates).
@@ -486,6 +488,10 @@ impl Decoder {
             options.ctx.div_ceil(block_tokens).max(1),
             None,
         )?;
+        let timeline = device
+            .timeline()
+            .unwrap_or_else(|| Arc::new(CpuTimeline::new(0)));
+        let tick = timeline.value().map_err(npu_hal::Error::from)?;
         let mut d = Decoder {
             config,
             device,
@@ -497,8 +503,8 @@ impl Decoder {
             report,
             seq: 0,
             len: 0,
-            timeline: Arc::new(CpuTimeline::new(0)),
-            tick: 0,
+            timeline,
+            tick,
             logits_scratch: Vec::new(),
         };
         d.kv.add_sequence(d.seq, &[])?;
@@ -541,7 +547,7 @@ impl Decoder {
     }
 
     /// The timeline every submission signals (one value per submission).
-    pub fn timeline(&self) -> Arc<CpuTimeline> {
+    pub fn timeline(&self) -> Arc<dyn Timeline> {
         Arc::clone(&self.timeline)
     }
 
@@ -637,8 +643,8 @@ impl Decoder {
                     data: &data[(lo - start) * hidden..(hi - start) * hidden],
                 })
             });
-            let wait = self.tick;
-            self.tick += 1;
+            // The tick moves only when a submission is accepted, so a refused one never leaves
+            // a value that nothing will signal.
             let timeline: &dyn Timeline = &*self.timeline;
             self.device.submit(Submission {
                 ops: &self.body,
@@ -651,9 +657,10 @@ impl Decoder {
                     embeddings,
                 },
                 kv: Some(&mut self.kv),
-                wait: Some((timeline, wait)),
-                signal: Some((timeline, self.tick)),
+                wait: Some((timeline, self.tick)),
+                signal: Some((timeline, self.tick + 1)),
             })?;
+            self.tick += 1;
             self.len += chunk.len();
             // Logits for the wanted rows of this chunk, a head-sized slice at a time.
             let lo = want.start.max(done).min(done + chunk.len()) - done;
@@ -661,8 +668,6 @@ impl Decoder {
             let mut row = lo;
             while row < hi {
                 let end = (row + self.options.max_logit_rows.max(1)).min(hi);
-                let wait = self.tick;
-                self.tick += 1;
                 self.device.submit(Submission {
                     ops: &self.head,
                     batch: Batch {
@@ -674,9 +679,10 @@ impl Decoder {
                         embeddings: None,
                     },
                     kv: None,
-                    wait: Some((timeline, wait)),
-                    signal: Some((timeline, self.tick)),
+                    wait: Some((timeline, self.tick)),
+                    signal: Some((timeline, self.tick + 1)),
                 })?;
+                self.tick += 1;
                 let out = &mut logits[..(end - row) * vocab];
                 self.device.read_tensor(self.logits, 0..end - row, out)?;
                 for (j, l) in out.chunks_exact(vocab).enumerate() {

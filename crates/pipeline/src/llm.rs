@@ -17,6 +17,73 @@ use npu_hal::{CpuConfig, CpuNpu};
 use crate::decoder::{DecodeError, Decoder, DecoderOptions};
 use crate::model::tokenizer::Tokenizer;
 
+/// Which npu-hal device the decoder runs on (`--device`, `device =` in a chain TOML).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The CPU reference NPU.
+    Cpu,
+    /// The GPU backend on the best Vulkan adapter (lavapipe counts where it is the only one).
+    Gpu,
+    /// A `/dev/accel` NPU (no driver has an execution backend yet: it is refused by name).
+    Accel,
+    /// A hardware Vulkan adapter when there is one, else the CPU NPU.
+    Auto,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = DecodeError;
+
+    fn from_str(name: &str) -> Result<DeviceChoice, DecodeError> {
+        Ok(match name {
+            "cpu" => DeviceChoice::Cpu,
+            "gpu" => DeviceChoice::Gpu,
+            "accel" => DeviceChoice::Accel,
+            "auto" => DeviceChoice::Auto,
+            other => {
+                return Err(DecodeError::BadInput(format!(
+                    "device {other:?}: use cpu, gpu, accel or auto"
+                )));
+            }
+        })
+    }
+}
+
+/// Opens the device `choice` names, with `threads` workers for the CPU NPU (0 = every core).
+/// Returns the device and, for `auto`, a sentence saying what it picked and why.
+pub fn open_device(
+    choice: DeviceChoice,
+    threads: usize,
+) -> Result<(Box<dyn npu_hal::Device>, Option<String>), DecodeError> {
+    use npu_hal::{AdapterChoice, Backend, VulkanBackend, VulkanConfig};
+    let cpu = || -> Result<Box<dyn npu_hal::Device>, DecodeError> {
+        Ok(Box::new(CpuNpu::new(CpuConfig {
+            threads,
+            ..CpuConfig::default()
+        })?))
+    };
+    let gpu = |adapter| VulkanBackend {
+        config: VulkanConfig {
+            adapter,
+            ..VulkanConfig::default()
+        },
+    };
+    Ok(match choice {
+        DeviceChoice::Cpu => (cpu()?, None),
+        DeviceChoice::Gpu => (gpu(AdapterChoice::Best).open()?, None),
+        DeviceChoice::Accel => (npu_hal::AccelBackend.open()?, None),
+        DeviceChoice::Auto => match gpu(AdapterChoice::Hardware).open() {
+            Ok(d) => {
+                let why = format!("auto picked {} (a hardware Vulkan adapter)", d.info().name);
+                (d, Some(why))
+            }
+            Err(e) => (
+                cpu()?,
+                Some(format!("auto picked the CPU NPU: no hardware GPU ({e})")),
+            ),
+        },
+    })
+}
+
 /// Opens a model file or directory on the CPU NPU with `threads` workers (0 = every core).
 pub fn open_decoder(
     model: &Path,
@@ -256,6 +323,46 @@ pub struct BenchResult {
     pub avg_ts: f64,
     pub stddev_ts: f64,
     pub median_ts: f64,
+    /// Where a token's time went, over the timed repetitions (see [`TokenSplit`]).
+    pub split: TokenSplit,
+}
+
+/// Mean microseconds per token (per prompt token for `pp`) in each part of a step, from the
+/// device's counters ([`npu_hal::DeviceStats`]) and the bench's own clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TokenSplit {
+    /// Wall time.
+    pub wall_us: f64,
+    /// Execution on the device (GPU timestamps); `None` when the device has no clock.
+    pub device_us: Option<f64>,
+    /// Host time inside `submit` (on the CPU NPU this is the compute itself).
+    pub submit_us: f64,
+    /// Host time copying results out once they were ready.
+    pub readback_us: f64,
+    /// Choosing the next token from the logits (argmax here).
+    pub sampling_us: f64,
+    /// Times per token the host blocked on the device.
+    pub host_waits: f64,
+}
+
+impl TokenSplit {
+    fn between(
+        a: npu_hal::DeviceStats,
+        b: npu_hal::DeviceStats,
+        wall: Duration,
+        sampling: Duration,
+        tokens: usize,
+    ) -> TokenSplit {
+        let per = |d: Duration| d.as_secs_f64() * 1e6 / tokens.max(1) as f64;
+        TokenSplit {
+            wall_us: per(wall),
+            device_us: b.device_time.zip(a.device_time).map(|(b, a)| per(b - a)),
+            submit_us: per(b.submit_time - a.submit_time),
+            readback_us: per(b.readback_time - a.readback_time),
+            sampling_us: per(sampling),
+            host_waits: (b.host_waits - a.host_waits) as f64 / tokens.max(1) as f64,
+        }
+    }
 }
 
 /// llama-bench's tests: `pp{n_prompt}` processes an `n_prompt`-token prompt in batches;
@@ -280,37 +387,75 @@ pub fn bench(
     if n_prompt > 0 {
         let prompt: Vec<u32> = (0..n_prompt).map(|_| token()).collect();
         let mut samples = Vec::new();
+        let (mut wall, mut first) = (Duration::ZERO, None);
         for rep in 0..=reps {
             decoder.reset()?;
+            let before = decoder.device().stats();
             let t = Instant::now();
             decoder.forward_last(&prompt)?;
             if rep > 0 {
+                wall += t.elapsed();
+                first.get_or_insert(before);
                 samples.push(n_prompt as f64 / t.elapsed().as_secs_f64());
             }
         }
-        results.push(summarise(format!("pp{n_prompt}"), n_prompt, 0, samples));
+        let split = TokenSplit::between(
+            first.unwrap_or_default(),
+            decoder.device().stats(),
+            wall,
+            Duration::ZERO,
+            n_prompt * reps,
+        );
+        results.push(summarise(
+            format!("pp{n_prompt}"),
+            n_prompt,
+            0,
+            samples,
+            split,
+        ));
     }
     if n_gen > 0 {
         let mut samples = Vec::new();
         let mut logits = Vec::new();
+        let (mut wall, mut sampling, mut first) = (Duration::ZERO, Duration::ZERO, None);
         for rep in 0..=reps {
             decoder.reset()?;
             let mut next = token();
+            let before = decoder.device().stats();
+            let mut picking = Duration::ZERO;
             let t = Instant::now();
             for _ in 0..n_gen {
                 decoder.forward_last_into(&[next], &mut logits)?;
+                let s = Instant::now();
                 next = npu_hal::kernels::argmax(&logits).map_or(0, |(i, _)| i as u32);
+                picking += s.elapsed();
             }
             if rep > 0 {
+                wall += t.elapsed();
+                sampling += picking;
+                first.get_or_insert(before);
                 samples.push(n_gen as f64 / t.elapsed().as_secs_f64());
             }
         }
-        results.push(summarise(format!("tg{n_gen}"), 0, n_gen, samples));
+        let split = TokenSplit::between(
+            first.unwrap_or_default(),
+            decoder.device().stats(),
+            wall,
+            sampling,
+            n_gen * reps,
+        );
+        results.push(summarise(format!("tg{n_gen}"), 0, n_gen, samples, split));
     }
     Ok(results)
 }
 
-fn summarise(test: String, n_prompt: usize, n_gen: usize, samples: Vec<f64>) -> BenchResult {
+fn summarise(
+    test: String,
+    n_prompt: usize,
+    n_gen: usize,
+    samples: Vec<f64>,
+    split: TokenSplit,
+) -> BenchResult {
     let n = samples.len().max(1) as f64;
     let avg = samples.iter().sum::<f64>() / n;
     let var = samples.iter().map(|s| (s - avg) * (s - avg)).sum::<f64>() / (n - 1.0).max(1.0);
@@ -331,6 +476,7 @@ fn summarise(test: String, n_prompt: usize, n_gen: usize, samples: Vec<f64>) -> 
         avg_ts: avg,
         stddev_ts: var.sqrt(),
         median_ts: median,
+        split,
     }
 }
 

@@ -168,8 +168,8 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// List the execution devices: the CPU NPU, accel nodes (with their drivers), and why a
-    /// device cannot run ops when it cannot.
+    /// List the execution devices: the CPU NPU, Vulkan adapters, accel nodes (with their
+    /// drivers), and why a device cannot run ops when it cannot.
     Devices {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -218,7 +218,8 @@ struct RunArgs {
     /// Where the vision encoder runs: gpu, cpu or auto.
     #[arg(long)]
     encoder: Option<String>,
-    /// The decoder's device: cpu (the reference NPU) or accel (a /dev/accel NPU).
+    /// The decoder's device: cpu (the reference NPU), gpu (Vulkan), accel (a /dev/accel NPU)
+    /// or auto (a hardware GPU if there is one, else the CPU).
     #[arg(long)]
     device: Option<String>,
     /// drop (latest frame wins), block, or auto (drop for cameras and --realtime patterns).
@@ -427,6 +428,10 @@ struct ModelArgs {
     /// Worker threads (0 = every core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// The decoder's device: cpu (the reference NPU), gpu (Vulkan), accel (a /dev/accel NPU)
+    /// or auto (a hardware GPU if there is one, else the CPU).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Context length: the KV cache's size, and perplexity's chunk length.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
@@ -473,7 +478,11 @@ impl ModelArgs {
             cache,
         };
         let t = std::time::Instant::now();
-        let (decoder, tokenizer) = pipeline::llm::open_decoder(&self.model, options, self.threads)?;
+        let (device, picked) = pipeline::llm::open_device(self.device.parse()?, self.threads)?;
+        if let Some(why) = picked {
+            eprintln!("{why}");
+        }
+        let (decoder, tokenizer) = pipeline::llm::open_decoder_on(&self.model, options, device)?;
         let r = decoder.report();
         if let Some(p) = &r.cache_written {
             eprintln!(
@@ -488,12 +497,13 @@ impl ModelArgs {
             eprintln!("warning: converted-weight cache not used: {why}");
         }
         eprintln!(
-            "loaded {} in {:.2} s: policy {}, {:.2} bits/weight, {:.1} MiB of weights, {} threads ({})",
+            "loaded {} in {:.2} s: policy {}, {:.2} bits/weight, {:.1} MiB of weights, on {} ({} threads, {})",
             self.model.display(),
             t.elapsed().as_secs_f64(),
             self.policy,
             r.bits_per_weight,
             r.weight_bytes as f64 / (1 << 20) as f64,
+            decoder.device().info().name,
             decoder.device().info().parallelism,
             decoder.device().info().isa,
         );
@@ -838,6 +848,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             use npu_hal::Backend;
             let probes: Vec<npu_hal::Probe> = [
                 &npu_hal::CpuBackend::default() as &dyn Backend,
+                &npu_hal::VulkanBackend::default(),
                 &npu_hal::AccelBackend,
             ]
             .iter()

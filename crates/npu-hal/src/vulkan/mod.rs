@@ -46,8 +46,8 @@ use self::gpu::{Context, GpuBuffer, Instance, Memory, PUSH_BYTES, vk_err};
 use self::shaders::{Kernel, KvFormat, Pipelines, WeightFormat};
 use crate::Error;
 use crate::device::{
-    Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
-    WeightId, check_op,
+    Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
+    TensorId, Weight, WeightId, check_op,
 };
 
 /// Which Vulkan adapter [`VulkanBackend`] opens.
@@ -253,6 +253,21 @@ struct Transfer {
     readback: Option<GpuBuffer>,
 }
 
+/// [`DeviceStats`] as they accumulate (nanoseconds).
+#[derive(Debug, Default)]
+struct Counters {
+    submissions: AtomicU64,
+    host_waits: AtomicU64,
+    submit_ns: AtomicU64,
+    readback_ns: AtomicU64,
+    device_ns: AtomicU64,
+}
+
+fn add_ns(counter: &AtomicU64, since: std::time::Instant) {
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    counter.fetch_add(ns, Ordering::Relaxed);
+}
+
 /// The GPU NPU: an npu-hal [`Device`] on a Vulkan adapter.
 pub struct VulkanNpu {
     // Drop order: `Drop::drop` waits for the queue and destroys every object below; the
@@ -267,9 +282,9 @@ pub struct VulkanNpu {
     transfer: Mutex<Transfer>,
     queue: Mutex<Queue>,
     timestamps: bool,
-    /// The last submission's GPU time, in nanoseconds, when timestamps are supported.
-    last_gpu_ns: AtomicU64,
-    host_waits: AtomicU64,
+    /// Timestamp pools of submissions not yet read, with their completion values.
+    pending_times: Mutex<Vec<(vk::QueryPool, u64)>>,
+    counters: Counters,
     wait_timeout: Duration,
     readback_ledger: Arc<uvm_alloc::StageCopies>,
     /// Private: every submission signals it, in order.
@@ -368,8 +383,8 @@ impl VulkanNpu {
                 last: 0,
             }),
             timestamps,
-            last_gpu_ns: AtomicU64::new(0),
-            host_waits: AtomicU64::new(0),
+            pending_times: Mutex::new(Vec::new()),
+            counters: Counters::default(),
             wait_timeout: config.wait_timeout,
             readback_ledger: uvm_alloc::CopyLedger::global().stage("gpu-readback"),
             completion,
@@ -388,15 +403,37 @@ impl VulkanNpu {
         self.ctx.unified
     }
 
-    /// How many times a call blocked the calling thread on GPU work or a foreign timeline.
-    pub fn host_waits(&self) -> u64 {
-        self.host_waits.load(Ordering::Relaxed)
-    }
-
-    /// GPU time of the last program submission (from timestamps), if the queue has them.
-    pub fn last_gpu_time(&self) -> Option<Duration> {
-        self.timestamps
-            .then(|| Duration::from_nanos(self.last_gpu_ns.load(Ordering::Relaxed)))
+    /// Adds the GPU time of every completed submission whose timestamps are not read yet.
+    fn collect_times(&self) -> Result<(), Error> {
+        let done = self.completion.value()?;
+        let mut pending = self.pending_times.lock().unwrap_or_else(|p| p.into_inner());
+        let mut total = 0f64;
+        pending.retain(|&(pool, value)| {
+            if value > done {
+                return true;
+            }
+            let mut stamps = [0u64; 2];
+            // SAFETY: a live two-query pool whose submission has completed (its value is
+            // reached) and is not resubmitted before this read (a program waits for its last
+            // value, and collects, before it runs again); 64-bit results into an array of two.
+            let read = unsafe {
+                self.ctx.device.get_query_pool_results(
+                    pool,
+                    0,
+                    &mut stamps,
+                    vk::QueryResultFlags::TYPE_64,
+                )
+            };
+            if read.is_ok() {
+                total += stamps[1].saturating_sub(stamps[0]) as f64
+                    * f64::from(self.ctx.timestamp_period_ns);
+            }
+            false
+        });
+        self.counters
+            .device_ns
+            .fetch_add(total as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     fn lock_queue(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -455,7 +492,7 @@ impl VulkanNpu {
         if self.completion.value()? >= value {
             return Ok(());
         }
-        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
         self.completion.wait(value, self.wait_timeout)?;
         Ok(())
     }
@@ -559,6 +596,8 @@ impl VulkanNpu {
             return Ok(key);
         }
         self.wait_all()?;
+        // Every submission is complete: read their times before their pools go.
+        self.collect_times()?;
         let stale: Vec<Program> = {
             let (keep, stale) = std::mem::take(&mut self.programs)
                 .into_iter()
@@ -1465,6 +1504,127 @@ impl Device for VulkanNpu {
     }
 
     fn submit(&mut self, s: Submission<'_>) -> Result<(), Error> {
+        let started = std::time::Instant::now();
+        let result = self.submit_program(s);
+        add_ns(&self.counters.submit_ns, started);
+        result
+    }
+
+    fn read_tensor(
+        &self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        if rows.start > rows.end || rows.end > t.max_rows || out.len() != rows.len() * t.width {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "read_tensor: rows {rows:?} of {} / output of {} values for width {}",
+                    t.max_rows,
+                    out.len(),
+                    t.width
+                ),
+            });
+        }
+        self.wait_all()?;
+        self.collect_times()?;
+        let started = std::time::Instant::now();
+        let result = self.read_back(t, rows.start * t.width * 4, out);
+        add_ns(&self.counters.readback_ns, started);
+        result
+    }
+    fn write_tensor(
+        &mut self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        data: &[f32],
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        if rows.start > rows.end || rows.end > t.max_rows || data.len() != rows.len() * t.width {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "write_tensor: rows {rows:?} of {} / input of {} values for width {}",
+                    t.max_rows,
+                    data.len(),
+                    t.width
+                ),
+            });
+        }
+        self.wait_all()?;
+        let offset = rows.start * t.width * 4;
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        if t.buffer.is_mapped() {
+            return self.tensors[tensor.0 as usize].buffer.write(offset, bytes);
+        }
+        let raw = &self.tensors[tensor.0 as usize].buffer;
+        self.stage_into(raw, offset as u64, bytes)
+    }
+
+    fn timeline(&self) -> Option<Arc<dyn Timeline>> {
+        Some(self.public.clone())
+    }
+
+    fn stats(&self) -> DeviceStats {
+        let c = &self.counters;
+        let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        DeviceStats {
+            submissions: c.submissions.load(Ordering::Relaxed),
+            host_waits: c.host_waits.load(Ordering::Relaxed),
+            submit_time: ns(&c.submit_ns),
+            readback_time: ns(&c.readback_ns),
+            device_time: self.timestamps.then(|| ns(&c.device_ns)),
+        }
+    }
+}
+
+impl VulkanNpu {
+    /// Copies `out.len()` values at byte `offset` of a tensor whose writes have completed.
+    fn read_back(&self, t: &GpuTensor, offset: usize, out: &mut [f32]) -> Result<(), Error> {
+        let len = out.len() * 4;
+        if t.buffer.is_mapped() {
+            return t.buffer.read(offset, bytemuck::cast_slice_mut(out));
+        }
+        let mut transfer = self.transfer.lock().unwrap_or_else(|p| p.into_inner());
+        if transfer
+            .readback
+            .as_ref()
+            .is_none_or(|b| (b.size as usize) < len)
+        {
+            if let Some(old) = transfer.readback.take() {
+                self.ctx.destroy(old);
+            }
+            transfer.readback = Some(
+                self.ctx
+                    .buffer(len.next_power_of_two() as u64, Memory::Readback)?,
+            );
+        }
+        let dst = transfer
+            .readback
+            .as_ref()
+            .map(|b| b.raw)
+            .expect("allocated above");
+        let region = [vk::BufferCopy::default()
+            .src_offset(offset as u64)
+            .size(len as u64)];
+        let src = t.buffer.raw;
+        self.one_shot(&mut transfer, |d, cb| {
+            // SAFETY: both buffers are live; the region lies inside the tensor (checked by the
+            // caller) and the readback buffer (sized above).
+            unsafe { d.cmd_copy_buffer(cb, src, dst, &region) }
+        })?;
+        transfer
+            .readback
+            .as_ref()
+            .expect("allocated above")
+            .read(0, bytemuck::cast_slice_mut(out))?;
+        self.readback_ledger.record(len);
+        Ok(())
+    }
+
+    fn submit_program(&mut self, s: Submission<'_>) -> Result<(), Error> {
         let Submission {
             ops,
             batch,
@@ -1523,8 +1683,10 @@ impl Device for VulkanNpu {
                 self.programs.len() - 1
             }
         };
-        // The step buffer is rewritten only once the program's last run is done.
+        // The step buffer is rewritten only once the program's last run is done (and its
+        // timestamps are read before it runs again).
         self.wait_done(self.programs[pi].last)?;
+        self.collect_times()?;
         self.write_step(pi, &batch, kv)?;
         let shape = (
             batch.tokens.len().next_power_of_two(),
@@ -1549,7 +1711,7 @@ impl Device for VulkanNpu {
                 sync_timeline::Backend::Vulkan(vt) if same(t).is_some() => waits.push((vt, v)),
                 _ => {
                     if t.value()? < v {
-                        self.host_waits.fetch_add(1, Ordering::Relaxed);
+                        self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
                     }
                     t.wait(v, self.wait_timeout)?;
                 }
@@ -1572,138 +1734,22 @@ impl Device for VulkanNpu {
                 _ => host_signal = Some((t, v)),
             }
         }
-        let commands = self.programs[pi].recorded[&shape].commands;
+        let recorded = &self.programs[pi].recorded[&shape];
+        let (commands, stamps) = (recorded.commands, recorded.timestamps);
         let value = self.submit_raw(commands, &waits, &signals)?;
         self.programs[pi].last = value;
+        self.counters.submissions.fetch_add(1, Ordering::Relaxed);
+        if let Some(pool) = stamps {
+            self.pending_times
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((pool, value));
+        }
         if let Some((t, v)) = host_signal {
             self.wait_done(value)?;
             t.signal(v)?;
         }
         Ok(())
-    }
-
-    fn read_tensor(
-        &self,
-        tensor: TensorId,
-        rows: Range<usize>,
-        out: &mut [f32],
-    ) -> Result<(), Error> {
-        let t = self.tensor(tensor, 0)?;
-        if rows.start > rows.end || rows.end > t.max_rows || out.len() != rows.len() * t.width {
-            return Err(Error::BadOp {
-                op: 0,
-                what: format!(
-                    "read_tensor: rows {rows:?} of {} / output of {} values for width {}",
-                    t.max_rows,
-                    out.len(),
-                    t.width
-                ),
-            });
-        }
-        self.wait_all()?;
-        let offset = rows.start * t.width * 4;
-        let len = out.len() * 4;
-        if t.buffer.is_mapped() {
-            self.last_program_time();
-            return t.buffer.read(offset, bytemuck::cast_slice_mut(out));
-        }
-        let mut transfer = self.transfer.lock().unwrap_or_else(|p| p.into_inner());
-        if transfer
-            .readback
-            .as_ref()
-            .is_none_or(|b| (b.size as usize) < len)
-        {
-            if let Some(old) = transfer.readback.take() {
-                self.ctx.destroy(old);
-            }
-            transfer.readback = Some(
-                self.ctx
-                    .buffer(len.next_power_of_two() as u64, Memory::Readback)?,
-            );
-        }
-        let dst = transfer
-            .readback
-            .as_ref()
-            .map(|b| b.raw)
-            .expect("allocated above");
-        let region = [vk::BufferCopy::default()
-            .src_offset(offset as u64)
-            .size(len as u64)];
-        let src = t.buffer.raw;
-        self.one_shot(&mut transfer, |d, cb| {
-            // SAFETY: both buffers are live; the region lies inside the tensor (checked above)
-            // and the readback buffer (sized above).
-            unsafe { d.cmd_copy_buffer(cb, src, dst, &region) }
-        })?;
-        transfer
-            .readback
-            .as_ref()
-            .expect("allocated above")
-            .read(0, bytemuck::cast_slice_mut(out))?;
-        self.readback_ledger.record(len);
-        drop(transfer);
-        self.last_program_time();
-        Ok(())
-    }
-
-    fn write_tensor(
-        &mut self,
-        tensor: TensorId,
-        rows: Range<usize>,
-        data: &[f32],
-    ) -> Result<(), Error> {
-        let t = self.tensor(tensor, 0)?;
-        if rows.start > rows.end || rows.end > t.max_rows || data.len() != rows.len() * t.width {
-            return Err(Error::BadOp {
-                op: 0,
-                what: format!(
-                    "write_tensor: rows {rows:?} of {} / input of {} values for width {}",
-                    t.max_rows,
-                    data.len(),
-                    t.width
-                ),
-            });
-        }
-        self.wait_all()?;
-        let offset = rows.start * t.width * 4;
-        let bytes: &[u8] = bytemuck::cast_slice(data);
-        if t.buffer.is_mapped() {
-            return self.tensors[tensor.0 as usize].buffer.write(offset, bytes);
-        }
-        let raw = &self.tensors[tensor.0 as usize].buffer;
-        self.stage_into(raw, offset as u64, bytes)
-    }
-
-    fn timeline(&self) -> Option<Arc<dyn Timeline>> {
-        Some(self.public.clone())
-    }
-}
-
-impl VulkanNpu {
-    /// Reads the GPU time of the most recently submitted program (all work is complete).
-    fn last_program_time(&self) {
-        let Some(p) = self.programs.iter().max_by_key(|p| p.last) else {
-            return;
-        };
-        let Some(pool) = p.recorded.values().find_map(|r| r.timestamps) else {
-            return;
-        };
-        let mut stamps = [0u64; 2];
-        // SAFETY: a live two-query pool whose last submission has completed (the callers waited
-        // for all work); 64-bit results into an array of two.
-        let ok = unsafe {
-            self.ctx.device.get_query_pool_results(
-                pool,
-                0,
-                &mut stamps,
-                vk::QueryResultFlags::TYPE_64,
-            )
-        };
-        if ok.is_ok() {
-            let ns = stamps[1].saturating_sub(stamps[0]) as f64
-                * f64::from(self.ctx.timestamp_period_ns);
-            self.last_gpu_ns.store(ns as u64, Ordering::Relaxed);
-        }
     }
 }
 

@@ -10,7 +10,7 @@
 //! prompt = "Describe the scene."
 //! isp = "gpu"          # gpu | cpu | auto
 //! encoder = "gpu"      # gpu | cpu | auto
-//! device = "cpu"       # the decoder's npu-hal backend: cpu | accel
+//! device = "cpu"       # the decoder's npu-hal device: cpu | gpu | accel | auto
 //! every = 30
 //! max_tokens = 32
 //! [synthetic]          # the tower used when no `vlm` checkpoint is given
@@ -334,15 +334,10 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         kv_dtype,
         cache,
     };
-    let (decoder, tokenizer) = match spec.device.as_deref().unwrap_or("cpu") {
-        "cpu" => crate::llm::open_decoder(model, options, spec.threads.unwrap_or(0))?,
-        "accel" => {
-            use npu_hal::Backend;
-            let device = npu_hal::AccelBackend.open()?;
-            crate::llm::open_decoder_on(model, options, device)?
-        }
-        other => return Err(format!("device {other:?}: use cpu or accel").into()),
-    };
+    let choice: crate::llm::DeviceChoice = spec.device.as_deref().unwrap_or("cpu").parse()?;
+    let (device, picked) = crate::llm::open_device(choice, spec.threads.unwrap_or(0))?;
+    notes.extend(picked);
+    let (decoder, tokenizer) = crate::llm::open_decoder_on(model, options, device)?;
     let tokenizer = tokenizer
         .ok_or("the model has no tokenizer (GGUF tokenizer.ggml.* or tokenizer.json needed)")?;
     let text_hidden = decoder.config().hidden;
