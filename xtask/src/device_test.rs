@@ -177,6 +177,52 @@ const TESTS: &[HardwareTest] = &[
         "the_coop_matrix_encoder_matches_the_cpu_reference",
         &[Need::VulkanCoopMatrix],
     ),
+    // The decoder on npu-hal's GPU backend against the CPU NPU.
+    HardwareTest {
+        ignored: false,
+        ..hw(
+            "npu-hal",
+            Target::Test("gpu_vs_cpu"),
+            "mx_weights_match_the_cpu",
+            &[Need::Vulkan],
+        )
+    },
+    HardwareTest {
+        ignored: false,
+        ..hw(
+            "npu-hal",
+            Target::Test("gpu_vs_cpu"),
+            "dense_and_ggml_weights_match_the_cpu",
+            &[Need::Vulkan],
+        )
+    },
+    HardwareTest {
+        ignored: false,
+        ..hw(
+            "npu-hal",
+            Target::Test("gpu_vs_cpu"),
+            "every_kv_dtype_matches_the_cpu",
+            &[Need::Vulkan],
+        )
+    },
+    HardwareTest {
+        ignored: false,
+        ..hw(
+            "pipeline",
+            Target::Test("gpu_decoder"),
+            "gpu_decoder_logits_match_the_cpu_on_tiny_llama",
+            &[Need::Vulkan],
+        )
+    },
+    HardwareTest {
+        ignored: false,
+        ..hw(
+            "pipeline",
+            Target::Test("gpu_decoder"),
+            "gpu_decoder_greedy_ids_agree_with_the_cpu",
+            &[Need::Vulkan],
+        )
+    },
 ];
 
 /// Whether the discovery `report` shows what `need` asks for; `Err` says why not.

@@ -202,6 +202,12 @@ pub trait Device: Send + std::fmt::Debug {
     fn weight_bytes(&self) -> usize;
     /// Creates a `[max_rows, width]` f32 activation tensor.
     fn create_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error>;
+    /// Creates a tensor the host reads after most submissions (the logits): a device with
+    /// memory of its own places it where the host reads it without another copy. The default
+    /// is [`Device::create_tensor`].
+    fn create_readback_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error> {
+        self.create_tensor(width, max_rows)
+    }
     /// `(width, max_rows)` of a tensor.
     fn tensor_shape(&self, tensor: TensorId) -> Option<(usize, usize)>;
     /// Waits for `submission.wait`, runs its ops over its batch, then signals `submission.signal`.
@@ -228,10 +234,24 @@ pub trait Device: Send + std::fmt::Debug {
     fn timeline(&self) -> Option<std::sync::Arc<dyn Timeline>> {
         None
     }
+    /// Time per kernel since the device was opened, longest first, where the device profiles its
+    /// dispatches (the GPU backend with [`crate::VulkanConfig::profile`]); empty otherwise.
+    fn profile(&self) -> Vec<KernelTime> {
+        Vec::new()
+    }
     /// Counters since the device was opened (zero where a device keeps none).
     fn stats(&self) -> DeviceStats {
         DeviceStats::default()
     }
+}
+
+/// One kernel's share of a device's time ([`Device::profile`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    /// The kernel and its variant.
+    pub kernel: String,
+    pub dispatches: u64,
+    pub time: std::time::Duration,
 }
 
 /// Where a device's time went, since it was opened: what `pipeline bench` splits a token into.

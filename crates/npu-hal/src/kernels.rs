@@ -203,16 +203,23 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 /// Index and value of the largest element (the first on ties); `None` for an empty slice or
 /// when every element is NaN.
 pub fn argmax(x: &[f32]) -> Option<(usize, f32)> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &v) in x.iter().enumerate() {
-        if v.is_nan() {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| v > b) {
-            best = Some((i, v));
+    // The maximum over 16 independent lanes (`f32::max` skips a NaN operand), so the loop has
+    // no dependency chain and vectorises; then the first index holding it. NaN never equals it,
+    // so an all-NaN input finds nothing.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = l.max(v);
         }
     }
-    best
+    let max = tail
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let i = x.iter().position(|&v| v == max)?;
+    Some((i, max))
 }
 
 /// `log(sum(exp(x)))`, max-subtracted, accumulated in f64 (perplexity sums thousands of these).
@@ -469,6 +476,17 @@ mod tests {
     fn argmax_and_lse() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN]), Some((1, 3.0)));
         assert_eq!(argmax(&[]), None);
+        assert_eq!(argmax(&[f32::NAN; 40]), None);
+        assert_eq!(
+            argmax(&[f32::NEG_INFINITY; 3]),
+            Some((0, f32::NEG_INFINITY))
+        );
+        // Past the 16-lane body, with the maximum in the tail and in the body, ties first.
+        let mut x: Vec<f32> = (0..37).map(|i| (i % 7) as f32).collect();
+        assert_eq!(argmax(&x), Some((6, 6.0)));
+        x[36] = 9.0;
+        x[20] = f32::NAN;
+        assert_eq!(argmax(&x), Some((36, 9.0)));
         let lse = log_sum_exp(&[0.0, 0.0]);
         assert!((lse - 2f64.ln()).abs() < 1e-12);
     }

@@ -1,7 +1,7 @@
-//! The GPU backend against the CPU reference NPU: one small random transformer (two layers,
-//! grouped-query attention), every weight format and every KV page dtype, through a prefill
-//! batch (the GEMM kernels), single-token steps (GEMV) and a short batch (GEMV over 8 tokens),
-//! logits compared after each.
+//! The GPU backend against the CPU reference NPU: one small random transformer (three layers,
+//! grouped-query attention), every weight format and every KV page dtype, through a 100-token
+//! prefill batch (the GEMM and tiled attention kernels, several tiles each), single-token steps
+//! (GEMV, per-row attention) and a short batch (GEMV over 8 tokens), logits compared after each.
 //!
 //! On CI the GPU is lavapipe. Without any Vulkan adapter the test fails when `CI=true` and
 //! otherwise prints a visible skip; it never passes without having run on a GPU.
@@ -24,8 +24,8 @@ const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 32;
 const INTER: usize = 128;
 const VOCAB: usize = 96;
-const LAYERS: usize = 2;
-const MAX_ROWS: usize = 32;
+const LAYERS: usize = 3;
+const MAX_ROWS: usize = 128;
 const LOGIT_ROWS: usize = 4;
 
 /// Small deterministic numbers.
@@ -151,7 +151,9 @@ fn load(device: &mut dyn Device, storage: Storage, seed: u64) -> Model {
         let wg = w(device, weight(storage, INTER, HIDDEN, &mut rng));
         let wu = w(device, weight(storage, INTER, HIDDEN, &mut rng));
         let wd = w(device, weight(storage, HIDDEN, INTER, &mut rng));
-        let style = if layer == 0 {
+        // Both pairings, each in a layer whose K the GPU folds into its KV write (every layer
+        // but the last, whose K is never overwritten).
+        let style = if layer % 2 == 0 {
             RopeStyle::Interleaved
         } else {
             RopeStyle::HalfSplit
@@ -294,7 +296,7 @@ fn kv_cache(dtype: PageDtype) -> KvCache {
             block_tokens: 4,
             dtype,
         },
-        16,
+        64,
         None,
     )
     .map(|mut kv| {
@@ -314,7 +316,7 @@ fn errors(gpu: &[f32], cpu: &[f32]) -> (f32, f32) {
 }
 
 fn chunks() -> Vec<Vec<u32>> {
-    let prompt: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
+    let prompt: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
     vec![
         prompt,
         vec![7],
@@ -339,7 +341,7 @@ fn compare(storage: Storage, dtype: PageDtype, tolerance: f32) {
     let (max, mean) = errors(&got, &want);
     let _ = writeln!(
         std::io::stderr(),
-        "{storage:?} / {dtype:?} on {}: max error {max:.2e}, mean {mean:.2e} (of max |logit|)",
+        "device-test detail: {storage:?} / {dtype:?} on {}: max error {max:.2e}, mean {mean:.2e} (of max |logit|)",
         gpu.adapter()
     );
     assert!(
@@ -386,4 +388,57 @@ fn every_kv_dtype_matches_the_cpu() {
         };
         compare(Storage::F32, dtype, tolerance);
     }
+}
+
+/// What the GPU cannot run is refused by name before anything is submitted, and the device
+/// keeps working.
+#[test]
+fn unsupported_programs_are_refused_by_name() {
+    let Some(mut gpu) = gpu() else { return };
+    let gain = gpu.load_weight(Weight::Vector(vec![1.0; HIDDEN])).unwrap();
+    let x = gpu.create_tensor(HIDDEN, 4).unwrap();
+    let in_place = [Op::RmsNorm {
+        x,
+        weight: gain,
+        eps: 1e-5,
+        out: x,
+    }];
+    let batch = Batch {
+        tokens: &[0],
+        first_pos: 0,
+        seq: 0,
+        slots: &[],
+        select: 0..0,
+        embeddings: None,
+    };
+    let err = gpu
+        .submit(Submission {
+            ops: &in_place,
+            batch: batch.clone(),
+            kv: None,
+            wait: None,
+            signal: None,
+        })
+        .unwrap_err();
+    assert!(matches!(err, npu_hal::Error::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("RMSNorm in place"), "{err}");
+    let y = gpu.create_tensor(HIDDEN, 4).unwrap();
+    let ok = [Op::RmsNorm {
+        x,
+        weight: gain,
+        eps: 1e-5,
+        out: y,
+    }];
+    gpu.write_tensor(x, 0..1, &[2.0; HIDDEN]).unwrap();
+    gpu.submit(Submission {
+        ops: &ok,
+        batch,
+        kv: None,
+        wait: None,
+        signal: None,
+    })
+    .unwrap();
+    let mut out = vec![0f32; HIDDEN];
+    gpu.read_tensor(y, 0..1, &mut out).unwrap();
+    assert!(out.iter().all(|&v| (v - 1.0).abs() < 1e-5), "{out:?}");
 }

@@ -402,7 +402,7 @@ impl Decoder {
         let gate = t(c.intermediate, n)?;
         let up = t(c.intermediate, n)?;
         let act = t(c.intermediate, n)?;
-        let logits = t(c.vocab_size, options.max_logit_rows.max(1))?;
+        let logits = device.create_readback_tensor(c.vocab_size, options.max_logit_rows.max(1))?;
         let rope = |x| Op::Rope {
             x,
             head_dim: c.head_dim,

@@ -766,6 +766,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     "threads": info.parallelism,
                     "kv": model.kv,
                     "results": results,
+                    // Per-kernel GPU time over the whole bench (NPU_HAL_PROFILE=1).
+                    "kernels": decoder.device().profile().iter().map(|k| serde_json::json!({
+                        "kernel": k.kernel,
+                        "dispatches": k.dispatches,
+                        "total_ms": k.time.as_secs_f64() * 1e3,
+                        "us_per_dispatch": k.time.as_secs_f64() * 1e6 / k.dispatches.max(1) as f64,
+                    })).collect::<Vec<_>>(),
                 }))?
             );
             Ok(())

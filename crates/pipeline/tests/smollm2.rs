@@ -27,6 +27,14 @@ fn model_path() -> PathBuf {
 }
 
 fn open(policy: &str) -> (Decoder, pipeline::model::tokenizer::Tokenizer) {
+    open_on(policy, None)
+}
+
+/// [`open`] on `device` (the CPU NPU when `None`).
+fn open_on(
+    policy: &str,
+    device: Option<Box<dyn npu_hal::Device>>,
+) -> (Decoder, pipeline::model::tokenizer::Tokenizer) {
     let path = model_path();
     assert!(
         path.is_file(),
@@ -39,7 +47,10 @@ fn open(policy: &str) -> (Decoder, pipeline::model::tokenizer::Tokenizer) {
         max_logit_rows: 32,
         ..DecoderOptions::default()
     };
-    let (d, t) = pipeline::llm::open_decoder(&path, options, 0).unwrap();
+    let (d, t) = match device {
+        Some(device) => pipeline::llm::open_decoder_on(&path, options, device).unwrap(),
+        None => pipeline::llm::open_decoder(&path, options, 0).unwrap(),
+    };
     (d, t.expect("the GGUF carries its tokenizer"))
 }
 
@@ -71,7 +82,11 @@ fn exact_policy_completes_the_prompt_as_llama_cpp_does() {
 }
 
 fn ppl(policy: &str) -> f64 {
-    let (mut d, tok) = open(policy);
+    ppl_on(policy, None)
+}
+
+fn ppl_on(policy: &str, device: Option<Box<dyn npu_hal::Device>>) -> f64 {
+    let (mut d, tok) = open_on(policy, device);
     let text = std::fs::read_to_string(APACHE).expect("Debian's common-licenses/Apache-2.0");
     let tokens = tok.encode(&text, false).unwrap();
     let r = pipeline::llm::perplexity(&mut d, &tokens, 512, None, |_, _| {}).unwrap();
@@ -156,4 +171,74 @@ fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
         rows.len()
     );
     assert_eq!(max_diff, 0.0);
+}
+
+/// npu-hal's GPU backend (lavapipe on CI), which must exist: these run only with `--ignored`.
+fn gpu() -> Box<dyn npu_hal::Device> {
+    use npu_hal::Backend;
+    npu_hal::VulkanBackend::default()
+        .open()
+        .expect("a Vulkan device for the GPU decoder (lavapipe: mesa-vulkan-drivers)")
+}
+
+const README_PROMPT: &str = "Once upon a time, there was a little robot who";
+
+/// The default policy on the GPU against the CPU NPU: logits of every prompt position (max and
+/// mean error printed) and the greedy completion of the README's prompt, 16 tokens at least.
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn smollm2_gpu_decoder_agrees_with_the_cpu() {
+    let (mut cpu, tok) = open("default");
+    let (mut gpu, _) = open_on("default", Some(gpu()));
+    let prompt = tok.encode(README_PROMPT, false).unwrap();
+    let logits = |d: &mut Decoder| {
+        let mut rows = Vec::new();
+        d.forward(&prompt, 0..prompt.len(), |_, l| rows.extend_from_slice(l))
+            .unwrap();
+        d.reset().unwrap();
+        rows
+    };
+    let (want, got) = (logits(&mut cpu), logits(&mut gpu));
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff: Vec<f32> = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).collect();
+    let max = diff.iter().fold(0f32, |m, &d| m.max(d)) / scale;
+    let mean = diff.iter().sum::<f32>() / diff.len() as f32 / scale;
+    eprintln!(
+        "SmolLM2 default policy, {} positions on {}: max error {max:.2e}, mean {mean:.2e} (of max |logit| {scale:.1})",
+        prompt.len(),
+        gpu.device().info().name
+    );
+    assert!(
+        max < 0.05,
+        "GPU logits differ from the CPU's by up to {max}"
+    );
+    let run = |d: &mut Decoder| {
+        let mut ids = Vec::new();
+        pipeline::llm::generate(d, &prompt, 20, SamplingParams::default(), &[], |t| {
+            ids.push(t);
+            true
+        })
+        .unwrap();
+        ids
+    };
+    let (want, got) = (run(&mut cpu), run(&mut gpu));
+    let agree = want.iter().zip(&got).take_while(|(a, b)| a == b).count();
+    eprintln!("greedy ids agree for {agree} of 20 tokens");
+    assert!(
+        agree >= 16,
+        "only {agree} greedy ids agree\ncpu {}\ngpu {}",
+        tok.decode(&want).unwrap(),
+        tok.decode(&got).unwrap()
+    );
+}
+
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn smollm2_gpu_perplexity_is_within_one_percent_of_the_cpu() {
+    let cpu = ppl("default");
+    let gpu = ppl_on("default", Some(gpu()));
+    assert!(
+        (gpu / cpu - 1.0).abs() < 0.01,
+        "GPU perplexity {gpu} against the CPU's {cpu}"
+    );
 }

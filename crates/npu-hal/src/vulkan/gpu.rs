@@ -177,8 +177,8 @@ fn compute_queue_family(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Opt
 pub(crate) enum Memory {
     /// Device-local (weights, activations, KV pages); host-mapped as well on unified memory.
     Device,
-    /// Host-visible and coherent, written by the host before a submission (step values,
-    /// spliced embeddings).
+    /// Host-visible and coherent, device-local where it can be, written by the host before a
+    /// submission (step values, spliced embeddings).
     Upload,
     /// Host-visible, cached where possible, read by the host after a submission.
     Readback,
@@ -196,6 +196,7 @@ pub(crate) struct Context {
     /// tensors the host reads in place.
     pub(crate) unified: bool,
     pub(crate) max_workgroups: [u32; 3],
+    pub(crate) max_shared_bytes: u32,
     pub(crate) max_storage_range: u32,
     // Last: the instance outlives the device (destroyed in `Drop` below).
     pub(crate) instance: Instance,
@@ -244,6 +245,7 @@ impl Context {
             timestamp_period_ns: props.limits.timestamp_period,
             unified: false,
             max_workgroups: props.limits.max_compute_work_group_count,
+            max_shared_bytes: props.limits.max_compute_shared_memory_size,
             max_storage_range: props.limits.max_storage_buffer_range,
             instance,
         };
@@ -317,7 +319,9 @@ impl Context {
         let (want, prefer) = match memory {
             Memory::Device if self.unified => (F::DEVICE_LOCAL | host, F::HOST_CACHED),
             Memory::Device => (F::DEVICE_LOCAL, F::empty()),
-            Memory::Upload => (host, F::empty()),
+            // Device-local where the host can map it (a resizable BAR): every kernel reads the
+            // step values first, and across the bus each read costs a round trip.
+            Memory::Upload => (host, F::DEVICE_LOCAL),
             Memory::Readback => (host, F::HOST_CACHED),
         };
         let index = self

@@ -43,7 +43,7 @@ use sync_timeline::Timeline;
 use sync_timeline::vulkan::VulkanTimeline;
 
 use self::gpu::{Context, GpuBuffer, Instance, Memory, PUSH_BYTES, vk_err};
-use self::shaders::{Kernel, KvFormat, Pipelines, WeightFormat};
+use self::shaders::{Kernel, KvFormat, LinearInput, Pipelines, WeightFormat};
 use crate::Error;
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
@@ -69,6 +69,9 @@ pub struct VulkanConfig {
     pub adapter: AdapterChoice,
     /// How long a host wait (on a foreign timeline, or for results) may take before failing.
     pub wait_timeout: Duration,
+    /// Time every dispatch (a timestamp after each, which serialises them): what
+    /// [`Device::profile`] reports. Default: on when `NPU_HAL_PROFILE` is set.
+    pub profile: bool,
 }
 
 impl Default for VulkanConfig {
@@ -76,6 +79,7 @@ impl Default for VulkanConfig {
         VulkanConfig {
             adapter: AdapterChoice::Best,
             wait_timeout: Duration::from_secs(30),
+            profile: std::env::var_os("NPU_HAL_PROFILE").is_some(),
         }
     }
 }
@@ -192,6 +196,8 @@ enum Grid {
         format: WeightFormat,
         rows: u32,
         selected: bool,
+        input: LinearInput,
+        accumulate: bool,
     },
     /// `(rows, heads, depth)`.
     Heads { heads: u32, depth: u32 },
@@ -233,8 +239,10 @@ struct Program {
 #[derive(Debug)]
 struct Recorded {
     commands: vk::CommandBuffer,
-    /// Two timestamps (start, end) when the queue supports them.
+    /// Timestamps when the queue supports them: start and end, and one after each dispatch
+    /// when profiling (then `kernels` names the dispatches).
     timestamps: Option<vk::QueryPool>,
+    kernels: Arc<Vec<Kernel>>,
 }
 
 /// The queue and the completion timeline's last submitted value (one lock, so values are
@@ -251,6 +259,15 @@ struct Transfer {
     pool: vk::CommandPool,
     commands: vk::CommandBuffer,
     readback: Option<GpuBuffer>,
+}
+
+/// A submission whose timestamps are not read yet.
+#[derive(Debug)]
+struct Pending {
+    pool: vk::QueryPool,
+    value: u64,
+    /// The dispatches it profiles (empty: start and end only).
+    kernels: Arc<Vec<Kernel>>,
 }
 
 /// [`DeviceStats`] as they accumulate (nanoseconds).
@@ -283,7 +300,10 @@ pub struct VulkanNpu {
     queue: Mutex<Queue>,
     timestamps: bool,
     /// Timestamp pools of submissions not yet read, with their completion values.
-    pending_times: Mutex<Vec<(vk::QueryPool, u64)>>,
+    pending_times: Mutex<Vec<Pending>>,
+    /// Per-dispatch timestamps ([`VulkanConfig::profile`]).
+    profile: bool,
+    kernel_times: Mutex<HashMap<Kernel, (u64, f64)>>,
     counters: Counters,
     wait_timeout: Duration,
     readback_ledger: Arc<uvm_alloc::StageCopies>,
@@ -384,6 +404,8 @@ impl VulkanNpu {
             }),
             timestamps,
             pending_times: Mutex::new(Vec::new()),
+            profile: config.profile,
+            kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             wait_timeout: config.wait_timeout,
             readback_ledger: uvm_alloc::CopyLedger::global().stage("gpu-readback"),
@@ -407,26 +429,33 @@ impl VulkanNpu {
     fn collect_times(&self) -> Result<(), Error> {
         let done = self.completion.value()?;
         let mut pending = self.pending_times.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kernel_times = self.kernel_times.lock().unwrap_or_else(|p| p.into_inner());
+        let period = f64::from(self.ctx.timestamp_period_ns);
         let mut total = 0f64;
-        pending.retain(|&(pool, value)| {
-            if value > done {
+        pending.retain(|p| {
+            if p.value > done {
                 return true;
             }
-            let mut stamps = [0u64; 2];
-            // SAFETY: a live two-query pool whose submission has completed (its value is
-            // reached) and is not resubmitted before this read (a program waits for its last
-            // value, and collects, before it runs again); 64-bit results into an array of two.
+            let mut stamps = vec![0u64; p.kernels.len() + 2];
+            // SAFETY: a live pool with this many queries, whose submission has completed (its
+            // value is reached) and is not resubmitted before this read (a program waits for its
+            // last value, and collects, before it runs again); 64-bit results.
             let read = unsafe {
                 self.ctx.device.get_query_pool_results(
-                    pool,
+                    p.pool,
                     0,
                     &mut stamps,
                     vk::QueryResultFlags::TYPE_64,
                 )
             };
             if read.is_ok() {
-                total += stamps[1].saturating_sub(stamps[0]) as f64
-                    * f64::from(self.ctx.timestamp_period_ns);
+                let last = stamps[stamps.len() - 1];
+                total += last.saturating_sub(stamps[0]) as f64 * period;
+                for (k, pair) in p.kernels.iter().zip(stamps.windows(2)) {
+                    let e = kernel_times.entry(*k).or_insert((0, 0.0));
+                    e.0 += 1;
+                    e.1 += pair[1].saturating_sub(pair[0]) as f64 * period;
+                }
             }
             false
         });
@@ -779,9 +808,104 @@ impl VulkanNpu {
         p.pool = unsafe { self.ctx.device.create_descriptor_pool(&info, None) }
             .map_err(vk_err("vkCreateDescriptorPool"))?;
         let ops = p.ops.clone();
-        for op in &ops {
-            self.add_dispatches(p, op)?;
+        let plan = fuse(&ops);
+        for (op, planned) in ops.iter().zip(&plan) {
+            match planned {
+                Planned::Folded => {}
+                Planned::Linear { input, accumulate } => {
+                    self.add_linear(p, op, *input, *accumulate)?
+                }
+                Planned::Attention { rope_q, rope_k } => {
+                    let (q, k) = (
+                        rope_q.map(|r| ops[r].clone()),
+                        rope_k.map(|r| ops[r].clone()),
+                    );
+                    self.add_attention(p, op, q.as_ref(), k.as_ref())?
+                }
+                Planned::Alone => self.add_dispatches(p, op)?,
+            }
         }
+        Ok(())
+    }
+
+    /// A linear op's dispatch, with the row-wise ops `fuse` folded into it.
+    fn add_linear(
+        &mut self,
+        p: &mut Program,
+        op: &Op,
+        input: FusedInput,
+        accumulate: Option<TensorId>,
+    ) -> Result<(), Error> {
+        let Op::Linear {
+            weight,
+            x,
+            out,
+            rows,
+        } = *op
+        else {
+            unreachable!("fuse plans linear dispatches for linear ops only");
+        };
+        let GpuWeight::Matrix {
+            format,
+            rows: r,
+            cols,
+            codes,
+            scales,
+            ..
+        } = &self.weights[weight.0 as usize]
+        else {
+            unreachable!("check_gpu refused vector weights");
+        };
+        let tensor = |id: TensorId| self.tensors[id.0 as usize].buffer.raw;
+        let selected = rows == Rows::Selected;
+        let (format, r, cols) = (*format, *r as u32, *cols as u32);
+        let step = p.step.raw;
+        let y = accumulate.unwrap_or(out);
+        let mut reads = vec![Resource::Tensor(x.0)];
+        let (kind, x_buf, aux, eps) = match input {
+            FusedInput::Plain => (LinearInput::Plain, tensor(x), step, 0.0),
+            FusedInput::Norm {
+                x: norm_x,
+                gain,
+                eps,
+            } => {
+                let GpuWeight::Vector { data, .. } = &self.weights[gain.0 as usize] else {
+                    unreachable!("check_gpu refused matrix gains");
+                };
+                reads = vec![Resource::Tensor(norm_x.0)];
+                (LinearInput::Norm, tensor(norm_x), data.raw, eps)
+            }
+            FusedInput::SwiGlu { gate, up } => {
+                reads = vec![Resource::Tensor(gate.0), Resource::Tensor(up.0)];
+                (LinearInput::SwiGlu, tensor(gate), tensor(up), 0.0)
+            }
+        };
+        if accumulate.is_some() {
+            reads.push(Resource::Tensor(y.0));
+        }
+        let push = push_words(&[r, cols, u32::from(selected), eps.to_bits()]);
+        let bufs = [step, codes.raw, scales.raw, x_buf, tensor(y), aux];
+        // Every linear kernel shares one binding layout: the set works for all of them.
+        let kernel = Kernel::Gemm {
+            format,
+            input: kind,
+            accumulate: accumulate.is_some(),
+        };
+        let set = self.descriptor_set(p, kernel, &bufs)?;
+        p.dispatches.push(Dispatch {
+            kernel,
+            grid: Grid::Linear {
+                format,
+                rows: r,
+                selected,
+                input: kind,
+                accumulate: accumulate.is_some(),
+            },
+            set,
+            push,
+            reads,
+            writes: vec![Resource::Tensor(y.0)],
+        });
         Ok(())
     }
 
@@ -837,43 +961,7 @@ impl VulkanNpu {
                     writes: vec![Resource::Tensor(out.0)],
                 });
             }
-            Op::Linear {
-                weight,
-                x,
-                out,
-                rows,
-            } => {
-                let GpuWeight::Matrix {
-                    format,
-                    rows: r,
-                    cols,
-                    codes,
-                    scales,
-                    ..
-                } = &self.weights[weight.0 as usize]
-                else {
-                    unreachable!("check_gpu refused vector weights");
-                };
-                let selected = rows == Rows::Selected;
-                let (format, r) = (*format, *r as u32);
-                let push = push_words(&[r, *cols as u32, u32::from(selected)]);
-                let bufs = [step, codes.raw, scales.raw, t(self, x), t(self, out)];
-                // Every linear kernel shares one binding layout: the set works for all.
-                let kernel = Kernel::Gemm { format };
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
-                    kernel,
-                    grid: Grid::Linear {
-                        format,
-                        rows: r,
-                        selected,
-                    },
-                    set,
-                    push,
-                    reads: vec![Resource::Tensor(x.0)],
-                    writes: vec![Resource::Tensor(out.0)],
-                });
-            }
+            Op::Linear { .. } => self.add_linear(p, op, FusedInput::Plain, None)?,
             Op::Rope {
                 x,
                 head_dim,
@@ -938,62 +1026,163 @@ impl VulkanNpu {
                     writes: vec![Resource::Tensor(acc.0)],
                 });
             }
-            Op::Attention {
-                layer,
-                q,
-                k,
-                v,
-                out,
-                q_heads,
-                ..
-            } => {
-                let m = self
-                    .kv
-                    .as_ref()
-                    .expect("check_gpu refused attention without a cache");
-                let l = m.key.layout;
-                let kvf = KvFormat::of(l.dtype);
-                let scale = kv_paged::attention::default_scale(l.head_dim);
-                let push = push_words(&[
-                    layer as u32,
-                    l.kv_heads as u32,
-                    l.head_dim as u32,
-                    l.block_tokens as u32,
-                    m.block_bytes as u32,
-                    q_heads as u32,
-                    scale.to_bits(),
-                ]);
-                let pages = m.pages.raw;
-                let kernel = Kernel::KvWrite { kv: kvf };
-                let bufs = [step, t(self, k), t(self, v), pages];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
-                    kernel,
-                    grid: Grid::Heads {
-                        heads: l.kv_heads as u32,
-                        depth: 2,
-                    },
-                    set,
-                    push,
-                    reads: vec![Resource::Tensor(k.0), Resource::Tensor(v.0)],
-                    writes: vec![Resource::Kv],
-                });
-                let kernel = Kernel::Attention { kv: kvf };
-                let bufs = [step, t(self, q), pages, t(self, out), pages];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
-                    kernel,
-                    grid: Grid::Heads {
-                        heads: q_heads as u32,
-                        depth: 1,
-                    },
-                    set,
-                    push,
-                    reads: vec![Resource::Tensor(q.0), Resource::Kv],
-                    writes: vec![Resource::Tensor(out.0)],
-                });
-            }
+            Op::Attention { .. } => self.add_attention(p, op, None, None)?,
         }
+        Ok(())
+    }
+
+    /// An attention op's two dispatches, the KV write and the attention, with the Rope ops on
+    /// Q and K that `fuse` folded into them (`rope_q`, `rope_k`): the KV write rotates K as it
+    /// stores it, the attention rotates Q as it loads it and, unless pages are MX, reads this
+    /// batch's keys and values from the k and v tensors (rotated and rounded as the pages hold
+    /// them), so it runs beside the KV write instead of after it.
+    fn add_attention(
+        &mut self,
+        p: &mut Program,
+        op: &Op,
+        rope_q: Option<&Op>,
+        rope_k: Option<&Op>,
+    ) -> Result<(), Error> {
+        let Op::Attention {
+            layer,
+            q,
+            k,
+            v,
+            out,
+            q_heads,
+            ..
+        } = *op
+        else {
+            unreachable!("attention dispatches are planned for attention ops only");
+        };
+        let step = p.step.raw;
+        let t = |s: &Self, id: TensorId| s.tensors[id.0 as usize].buffer.raw;
+        let l = self
+            .kv
+            .as_ref()
+            .expect("check_gpu refused attention without a cache")
+            .key
+            .layout;
+        let rope_of = |r: Option<&Op>| match r {
+            Some(&Op::Rope {
+                head_dim,
+                theta,
+                style,
+                ..
+            }) if head_dim == l.head_dim => Some((theta.to_bits(), style)),
+            _ => None,
+        };
+        // A rotary embedding that cannot fold (another head size, or Q and K rotated
+        // differently) runs on its own, where the program had it.
+        let k_rope = rope_of(rope_k);
+        let q_rope = rope_of(rope_q).filter(|r| k_rope.is_none_or(|k| k == *r));
+        if let (Some(r), None) = (rope_k, k_rope) {
+            self.add_dispatches(p, r)?;
+        }
+        if let (Some(r), None) = (rope_q, q_rope) {
+            self.add_dispatches(p, r)?;
+        }
+        let (rope, freqs, theta_scale) = match k_rope.or(q_rope) {
+            Some((theta, style)) => {
+                let table = self.rope_table(l.head_dim, f32::from_bits(theta))?;
+                let (_, freqs, theta_scale) = &self.rope_tables[table];
+                let code = match style {
+                    crate::RopeStyle::Interleaved => 1,
+                    crate::RopeStyle::HalfSplit => 2,
+                };
+                (code, freqs.raw, *theta_scale)
+            }
+            None => (0, step, 0.0),
+        };
+        let m = self.kv.as_ref().expect("checked above");
+        let kvf = KvFormat::of(l.dtype);
+        let scale = kv_paged::attention::default_scale(l.head_dim);
+        let push = push_words(&[
+            layer as u32,
+            l.kv_heads as u32,
+            l.head_dim as u32,
+            l.block_tokens as u32,
+            m.block_bytes as u32,
+            q_heads as u32,
+            scale.to_bits(),
+            theta_scale.to_bits(),
+        ]);
+        let pages = m.pages.raw;
+        let kernel = Kernel::KvWrite {
+            kv: kvf,
+            rope: if k_rope.is_some() { rope } else { 0 },
+        };
+        let bufs = [step, t(self, k), t(self, v), pages, freqs];
+        let set = self.descriptor_set(p, kernel, &bufs)?;
+        p.dispatches.push(Dispatch {
+            kernel,
+            grid: Grid::Heads {
+                heads: l.kv_heads as u32,
+                depth: 2,
+            },
+            set,
+            push,
+            reads: vec![Resource::Tensor(k.0), Resource::Tensor(v.0)],
+            writes: vec![Resource::Kv],
+        });
+        // The widest workgroup whose partial outputs fit in shared memory.
+        let hd = l.head_dim as u32;
+        let shared = |wg: u32| (wg * (hd + 1) + hd + 2 * wg) * 4;
+        let workgroup = [64, 32, 16]
+            .into_iter()
+            .find(|&wg| shared(wg) <= self.ctx.max_shared_bytes)
+            .ok_or_else(|| Error::Unsupported {
+                what: "attention at this head size",
+                why: format!(
+                    "head_dim {hd} needs {} bytes of workgroup memory, the adapter has {}",
+                    shared(16),
+                    self.ctx.max_shared_bytes
+                ),
+            })?;
+        // MX pages are read back from the pages (this kernel does not round to MX blocks).
+        let in_batch = !matches!(kvf, KvFormat::Mx(_));
+        let kernel = Kernel::Attention {
+            kv: kvf,
+            head_dim: hd,
+            workgroup,
+            rope,
+            rope_q: q_rope.is_some(),
+            rope_k: k_rope.is_some(),
+            in_batch,
+        };
+        let bufs = [
+            step,
+            t(self, q),
+            pages,
+            t(self, out),
+            pages,
+            t(self, k),
+            t(self, v),
+            freqs,
+        ];
+        let set = self.descriptor_set(p, kernel, &bufs)?;
+        // Earlier positions' pages come from earlier submissions (ordered by the barrier that
+        // opens every command buffer); this batch's come from k and v when `in_batch`.
+        let reads = if in_batch {
+            vec![
+                Resource::Tensor(q.0),
+                Resource::Tensor(k.0),
+                Resource::Tensor(v.0),
+            ]
+        } else {
+            vec![Resource::Tensor(q.0), Resource::Kv]
+        };
+        p.dispatches.push(Dispatch {
+            kernel,
+            grid: Grid::Heads {
+                heads: q_heads as u32,
+                depth: 1,
+            },
+            set,
+            push,
+            reads,
+            writes: vec![Resource::Tensor(out.0)],
+        });
         Ok(())
     }
 
@@ -1046,10 +1235,19 @@ impl VulkanNpu {
         // SAFETY: the program pool is only used under `&mut self`.
         let cb = unsafe { self.ctx.device.allocate_command_buffers(&alloc) }
             .map_err(vk_err("vkAllocateCommandBuffers"))?[0];
+        let kernels: Vec<Kernel> = if self.profile && self.timestamps {
+            self.programs[pi]
+                .dispatches
+                .iter()
+                .map(|x| shape_of(x.kernel, x.grid, shape.0, shape.1).0)
+                .collect()
+        } else {
+            Vec::new()
+        };
         let timestamps = if self.timestamps {
             let info = vk::QueryPoolCreateInfo::default()
                 .query_type(vk::QueryType::TIMESTAMP)
-                .query_count(2);
+                .query_count(kernels.len() as u32 + 2);
             // SAFETY: a valid create info on a live device.
             Some(
                 unsafe { self.ctx.device.create_query_pool(&info, None) }
@@ -1061,6 +1259,7 @@ impl VulkanNpu {
         let recorded = Recorded {
             commands: cb,
             timestamps,
+            kernels: Arc::new(kernels),
         };
         match self.record_into(pi, shape, &recorded) {
             Ok(()) => Ok(recorded),
@@ -1082,10 +1281,11 @@ impl VulkanNpu {
         let begin = vk::CommandBufferBeginInfo::default();
         // SAFETY: a fresh command buffer of the program pool.
         unsafe { d.begin_command_buffer(cb, &begin) }.map_err(vk_err("vkBeginCommandBuffer"))?;
+        let queries = r.kernels.len() as u32 + 2;
         if let Some(pool) = r.timestamps {
-            // SAFETY: recording; the pool has two queries.
+            // SAFETY: recording; the pool has `queries` queries.
             unsafe {
-                d.cmd_reset_query_pool(cb, pool, 0, 2);
+                d.cmd_reset_query_pool(cb, pool, 0, queries);
             }
             // SAFETY: as above.
             unsafe { d.cmd_write_timestamp(cb, vk::PipelineStageFlags::TOP_OF_PIPE, pool, 0) };
@@ -1146,12 +1346,30 @@ impl VulkanNpu {
             };
             // SAFETY: see above.
             unsafe { d.cmd_dispatch(cb, groups[0], groups[1], groups[2]) };
+            if let (Some(pool), false) = (r.timestamps, r.kernels.is_empty()) {
+                // SAFETY: recording; query i + 1 of a pool of one per dispatch plus two.
+                unsafe {
+                    d.cmd_write_timestamp(
+                        cb,
+                        vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                        pool,
+                        i as u32 + 1,
+                    )
+                };
+            }
         }
         // Results are visible to whatever follows: copies, the host, the next submission.
         full_barrier(&d, cb);
         if let Some(pool) = r.timestamps {
-            // SAFETY: recording; query 1 of a two-query pool.
-            unsafe { d.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 1) };
+            // SAFETY: recording; the pool's last query.
+            unsafe {
+                d.cmd_write_timestamp(
+                    cb,
+                    vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                    pool,
+                    queries - 1,
+                )
+            };
         }
         // SAFETY: recording, begun above.
         unsafe { d.end_command_buffer(cb) }.map_err(vk_err("vkEndCommandBuffer"))
@@ -1263,13 +1481,25 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             format,
             rows,
             selected: sel,
+            input,
+            accumulate,
         } => {
             let m = if sel { selected as u32 } else { n };
+            let gemv = |tokens| Kernel::Gemv {
+                format,
+                tokens,
+                input,
+                accumulate,
+            };
             match m {
-                0 | 1 => (Kernel::Gemv { format, tokens: 1 }, [rows.div_ceil(8), 1, 1]),
-                2..=8 => (Kernel::Gemv { format, tokens: 8 }, [rows.div_ceil(8), 1, 1]),
+                0 | 1 => (gemv(1), [rows.div_ceil(8), 1, 1]),
+                2..=8 => (gemv(8), [rows.div_ceil(8), 1, 1]),
                 _ => (
-                    Kernel::Gemm { format },
+                    Kernel::Gemm {
+                        format,
+                        input,
+                        accumulate,
+                    },
                     [rows.div_ceil(64), m.div_ceil(64), 1],
                 ),
             }
@@ -1283,6 +1513,197 @@ fn push_words(words: &[u32]) -> [u8; PUSH_BYTES as usize] {
         chunk.copy_from_slice(&w.to_le_bytes());
     }
     out
+}
+
+/// What a linear dispatch reads in place of its x (the op folded into it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum FusedInput {
+    Plain,
+    /// `rms_norm(x) * gain`.
+    Norm {
+        x: TensorId,
+        gain: WeightId,
+        eps: f32,
+    },
+    /// `silu(gate) * up`.
+    SwiGlu {
+        gate: TensorId,
+        up: TensorId,
+    },
+}
+
+/// How an op of a program becomes dispatches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Planned {
+    /// Its own dispatch(es).
+    Alone,
+    /// Folded into a linear dispatch (an RMSNorm or SwiGLU before it, an add after it).
+    Folded,
+    /// A linear layer with what was folded into it; `accumulate` is the tensor it adds into.
+    Linear {
+        input: FusedInput,
+        accumulate: Option<TensorId>,
+    },
+    /// Attention with the Rope ops on Q and K (their indices) folded in.
+    Attention {
+        rope_q: Option<usize>,
+        rope_k: Option<usize>,
+    },
+}
+
+/// The tensors a fused input stage reads.
+fn fused_sources(input: FusedInput) -> Vec<TensorId> {
+    match input {
+        FusedInput::Plain => Vec::new(),
+        FusedInput::Norm { x, .. } => vec![x],
+        FusedInput::SwiGlu { gate, up } => vec![gate, up],
+    }
+}
+
+fn reads(op: &Op, t: TensorId) -> bool {
+    match *op {
+        Op::Embed { .. } => false,
+        Op::RmsNorm { x, .. } | Op::Linear { x, .. } | Op::Rope { x, .. } => x == t,
+        Op::SwiGlu { gate, up, .. } => gate == t || up == t,
+        Op::Add { acc, x } => acc == t || x == t,
+        Op::Attention { q, k, v, .. } => q == t || k == t || v == t,
+    }
+}
+
+fn writes(op: &Op, t: TensorId) -> bool {
+    match *op {
+        Op::Embed { out, .. }
+        | Op::RmsNorm { out, .. }
+        | Op::Linear { out, .. }
+        | Op::SwiGlu { out, .. }
+        | Op::Attention { out, .. } => out == t,
+        Op::Rope { x, .. } => x == t,
+        Op::Add { acc, .. } => acc == t,
+    }
+}
+
+/// The linear ops that read `t` after op `at` while its value lives (until an op overwrites it
+/// without reading it), provided every reader is a linear op and none of `inputs` (what `t` was
+/// computed from) changes before the last of them; `None` if `t` has another kind of reader, is
+/// never overwritten in the program (a later submission may read it), or has no reader.
+fn linear_readers(ops: &[Op], at: usize, t: TensorId, inputs: &[TensorId]) -> Option<Vec<usize>> {
+    let mut readers = Vec::new();
+    let mut inputs_changed = false;
+    for (j, op) in ops.iter().enumerate().skip(at + 1) {
+        if reads(op, t) {
+            let linear = matches!(op, Op::Linear { x, out, .. } if *x == t && *out != t);
+            if !linear || inputs_changed {
+                return None;
+            }
+            readers.push(j);
+        }
+        if writes(op, t) {
+            return (!readers.is_empty() && !reads(op, t)).then_some(readers);
+        }
+        if inputs.iter().any(|&i| writes(op, i)) {
+            inputs_changed = true;
+        }
+    }
+    None
+}
+
+/// Plans which ops fold into the linear layers next to them: an RMSNorm or a SwiGLU whose only
+/// readers are linear layers becomes their input stage, and an add of a linear layer's output
+/// into a residual becomes its output stage. Each fold removes a dispatch and, in a decoder, a
+/// barrier: the GPU's cost per token is mostly the chain of dependent dispatches.
+fn fuse(ops: &[Op]) -> Vec<Planned> {
+    let mut plan = vec![Planned::Alone; ops.len()];
+    let mut input = vec![FusedInput::Plain; ops.len()];
+    for (i, op) in ops.iter().enumerate() {
+        let (out, fused, sources) = match *op {
+            Op::RmsNorm {
+                x,
+                weight,
+                eps,
+                out,
+            } if x != out => (
+                out,
+                FusedInput::Norm {
+                    x,
+                    gain: weight,
+                    eps,
+                },
+                vec![x],
+            ),
+            Op::SwiGlu { gate, up, out, .. } if out != gate && out != up => {
+                (out, FusedInput::SwiGlu { gate, up }, vec![gate, up])
+            }
+            _ => continue,
+        };
+        if let Some(readers) = linear_readers(ops, i, out, &sources) {
+            plan[i] = Planned::Folded;
+            for r in readers {
+                input[r] = fused;
+            }
+        }
+    }
+    for (i, op) in ops.iter().enumerate() {
+        let Op::Linear { x, out, rows, .. } = *op else {
+            continue;
+        };
+        let mut accumulate = None;
+        // The next op touching `out` adds it into a residual that nothing touches in between,
+        // and `out` is dead after that add (overwritten before anything reads it).
+        if rows == Rows::All
+            && let Some(j) =
+                (i + 1..ops.len()).find(|&j| reads(&ops[j], out) || writes(&ops[j], out))
+            && let Op::Add { acc, x: added } = ops[j]
+            && added == out
+            && acc != x
+            && acc != out
+            && !fused_sources(input[i]).contains(&acc)
+            && !ops[i + 1..j]
+                .iter()
+                .any(|o| reads(o, acc) || writes(o, acc))
+            && ops[j + 1..]
+                .iter()
+                .find(|o| reads(o, out) || writes(o, out))
+                .is_some_and(|o| !reads(o, out))
+            && plan[j] == Planned::Alone
+        {
+            accumulate = Some(acc);
+            plan[j] = Planned::Folded;
+        }
+        plan[i] = Planned::Linear {
+            input: input[i],
+            accumulate,
+        };
+    }
+    for (a, op) in ops.iter().enumerate() {
+        let Op::Attention { q, k, v, .. } = *op else {
+            continue;
+        };
+        // The last op before the attention that touches `t`: a Rope on `t` alone, whose result
+        // only this attention reads (`t` is overwritten before anything else reads it).
+        let folded_rope = |t: TensorId, plan: &[Planned]| {
+            let r = (0..a)
+                .rev()
+                .find(|&j| reads(&ops[j], t) || writes(&ops[j], t))?;
+            let dead_after = ops[a + 1..]
+                .iter()
+                .find(|o| reads(o, t) || writes(o, t))
+                .is_some_and(|o| !reads(o, t));
+            (matches!(ops[r], Op::Rope { x, .. } if x == t)
+                && plan[r] == Planned::Alone
+                && dead_after)
+                .then_some(r)
+        };
+        if q == k || q == v || k == v {
+            continue;
+        }
+        let rope_k = folded_rope(k, &plan);
+        let rope_q = folded_rope(q, &plan);
+        for r in rope_k.iter().chain(&rope_q) {
+            plan[*r] = Planned::Folded;
+        }
+        plan[a] = Planned::Attention { rope_q, rope_k };
+    }
+    plan
 }
 
 /// Every tensor an op names.
@@ -1480,21 +1901,18 @@ impl Device for VulkanNpu {
     }
 
     fn create_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error> {
-        let bytes = width
-            .checked_mul(max_rows)
-            .and_then(|e| e.checked_mul(4))
-            .filter(|&b| b > 0 && b as u64 <= u64::from(self.ctx.max_storage_range))
-            .ok_or(Error::Limit {
-                what: "tensor size (width * rows * 4 must be > 0 and within the storage-buffer range)",
-            })?;
-        let id = u32::try_from(self.tensors.len()).map_err(|_| Error::Limit { what: "tensors" })?;
-        let buffer = self.ctx.buffer(bytes as u64, Memory::Device)?;
-        self.tensors.push(GpuTensor {
-            width,
-            max_rows,
-            buffer,
-        });
-        Ok(TensorId(id))
+        self.new_tensor(width, max_rows, Memory::Device)
+    }
+
+    /// In host memory the GPU writes over the bus (device memory on a unified-memory device):
+    /// the host reads the logits in place, with no copy submitted after the program.
+    fn create_readback_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error> {
+        let memory = if self.ctx.unified {
+            Memory::Device
+        } else {
+            Memory::Readback
+        };
+        self.new_tensor(width, max_rows, memory)
     }
 
     fn tensor_shape(&self, tensor: TensorId) -> Option<(usize, usize)> {
@@ -1567,6 +1985,20 @@ impl Device for VulkanNpu {
         Some(self.public.clone())
     }
 
+    fn profile(&self) -> Vec<crate::KernelTime> {
+        let times = self.kernel_times.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<crate::KernelTime> = times
+            .iter()
+            .map(|(k, &(count, ns))| crate::KernelTime {
+                kernel: format!("{k:?}"),
+                dispatches: count,
+                time: Duration::from_nanos(ns as u64),
+            })
+            .collect();
+        out.sort_by_key(|k| std::cmp::Reverse(k.time));
+        out
+    }
+
     fn stats(&self) -> DeviceStats {
         let c = &self.counters;
         let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
@@ -1581,11 +2013,40 @@ impl Device for VulkanNpu {
 }
 
 impl VulkanNpu {
+    fn new_tensor(
+        &mut self,
+        width: usize,
+        max_rows: usize,
+        memory: Memory,
+    ) -> Result<TensorId, Error> {
+        let bytes = width
+            .checked_mul(max_rows)
+            .and_then(|e| e.checked_mul(4))
+            .filter(|&b| b > 0 && b as u64 <= u64::from(self.ctx.max_storage_range))
+            .ok_or(Error::Limit {
+                what: "tensor size (width * rows * 4 must be > 0 and within the storage-buffer range)",
+            })?;
+        let id = u32::try_from(self.tensors.len()).map_err(|_| Error::Limit { what: "tensors" })?;
+        let buffer = self.ctx.buffer(bytes as u64, memory)?;
+        self.tensors.push(GpuTensor {
+            width,
+            max_rows,
+            buffer,
+        });
+        Ok(TensorId(id))
+    }
+
     /// Copies `out.len()` values at byte `offset` of a tensor whose writes have completed.
     fn read_back(&self, t: &GpuTensor, offset: usize, out: &mut [f32]) -> Result<(), Error> {
         let len = out.len() * 4;
         if t.buffer.is_mapped() {
-            return t.buffer.read(offset, bytemuck::cast_slice_mut(out));
+            t.buffer.read(offset, bytemuck::cast_slice_mut(out))?;
+            // In host memory on a device with its own: the GPU's writes over the bus were the
+            // transfer, the one the ledger counts per token.
+            if !self.ctx.unified {
+                self.readback_ledger.record(len);
+            }
+            return Ok(());
         }
         let mut transfer = self.transfer.lock().unwrap_or_else(|p| p.into_inner());
         if transfer
@@ -1736,6 +2197,7 @@ impl VulkanNpu {
         }
         let recorded = &self.programs[pi].recorded[&shape];
         let (commands, stamps) = (recorded.commands, recorded.timestamps);
+        let kernels = recorded.kernels.clone();
         let value = self.submit_raw(commands, &waits, &signals)?;
         self.programs[pi].last = value;
         self.counters.submissions.fetch_add(1, Ordering::Relaxed);
@@ -1743,7 +2205,11 @@ impl VulkanNpu {
             self.pending_times
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push((pool, value));
+                .push(Pending {
+                    pool,
+                    value,
+                    kernels,
+                });
         }
         if let Some((t, v)) = host_signal {
             self.wait_done(value)?;

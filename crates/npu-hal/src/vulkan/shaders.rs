@@ -18,6 +18,7 @@ use crate::Error;
 const COMMON: &str = include_str!("shaders/common.wgsl");
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
+const LINEAR_IO: &str = include_str!("shaders/linear_io.wgsl");
 const GEMV: &str = include_str!("shaders/linear_gemv.wgsl");
 const GEMM: &str = include_str!("shaders/linear_gemm.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
@@ -49,6 +50,27 @@ impl WeightFormat {
             WeightFormat::Q8_0 => 4,
             WeightFormat::Q4_0 => 5,
             WeightFormat::Q4_1 => 6,
+        }
+    }
+}
+
+/// What a linear kernel reads as its input (see `shaders/linear_io.wgsl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum LinearInput {
+    /// The x tensor.
+    Plain,
+    /// `rms_norm(x) * gain`: the RMSNorm before it, folded in.
+    Norm,
+    /// `silu(x) * up`: the SwiGLU before it, folded in.
+    SwiGlu,
+}
+
+impl LinearInput {
+    fn code(self) -> u32 {
+        match self {
+            LinearInput::Plain => 0,
+            LinearInput::Norm => 1,
+            LinearInput::SwiGlu => 2,
         }
     }
 }
@@ -92,9 +114,13 @@ pub(crate) enum Kernel {
     Gemv {
         format: WeightFormat,
         tokens: u32,
+        input: LinearInput,
+        accumulate: bool,
     },
     Gemm {
         format: WeightFormat,
+        input: LinearInput,
+        accumulate: bool,
     },
     Embed {
         format: WeightFormat,
@@ -102,11 +128,24 @@ pub(crate) enum Kernel {
     Add,
     SwiGlu,
     Rope,
+    /// The KV write, with the rotary embedding of K folded in (`rope`: 0 none, 1 interleaved
+    /// pairs, 2 half-split pairs).
     KvWrite {
         kv: KvFormat,
+        rope: u32,
     },
+    /// Attention for one head size, `workgroup` invocations per (row, head); `rope` is the
+    /// pairing (0 none, 1 interleaved, 2 half-split) of the rotary embeddings folded in, of q
+    /// (`rope_q`) and of this batch's keys (`rope_k`); `in_batch` reads this batch's keys and
+    /// values from the k and v tensors rather than from the pages.
     Attention {
         kv: KvFormat,
+        head_dim: u32,
+        workgroup: u32,
+        rope: u32,
+        rope_q: bool,
+        rope_k: bool,
+        in_batch: bool,
     },
 }
 
@@ -115,11 +154,10 @@ impl Kernel {
     pub(crate) fn bindings(self) -> u32 {
         match self {
             Kernel::Rope => 3,
-            Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu | Kernel::KvWrite { .. } => 4,
-            Kernel::Gemv { .. }
-            | Kernel::Gemm { .. }
-            | Kernel::Embed { .. }
-            | Kernel::Attention { .. } => 5,
+            Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu => 4,
+            Kernel::Embed { .. } | Kernel::KvWrite { .. } => 5,
+            Kernel::Attention { .. } => 8,
+            Kernel::Gemv { .. } | Kernel::Gemm { .. } => 6,
         }
     }
 
@@ -140,12 +178,23 @@ impl Kernel {
         };
         match self {
             Kernel::RmsNorm => s.push_str(RMS_NORM),
-            Kernel::Gemv { format, tokens } => {
+            Kernel::Gemv {
+                format,
+                tokens,
+                input,
+                accumulate,
+            } => {
                 s.push_str(&format!("const NT: u32 = {tokens}u;\n"));
+                linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMV);
             }
-            Kernel::Gemm { format } => {
+            Kernel::Gemm {
+                format,
+                input,
+                accumulate,
+            } => {
+                linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMM);
             }
@@ -162,7 +211,9 @@ impl Kernel {
                 s.push_str(ELEMENTWISE);
             }
             Kernel::Rope => s.push_str(ROPE),
-            Kernel::KvWrite { kv } => {
+            Kernel::KvWrite { kv, rope } => {
+                s.push_str(&format!("const ROPE: u32 = {rope}u;\n"));
+                s.push_str("@group(0) @binding(4) var<storage, read> inv_freq: array<f32>;\n");
                 kv_constants(&mut s, kv);
                 s.push_str(KV_COMMON);
                 if let KvFormat::Mx(_) = kv {
@@ -183,11 +234,48 @@ impl Kernel {
                 }
                 s.push_str(KV_WRITE);
             }
-            Kernel::Attention { kv } => {
-                kv_constants(&mut s, kv);
-                s.push_str(KV_COMMON);
-                if let KvFormat::Mx(_) = kv {
-                    s.push_str(
+            Kernel::Attention {
+                kv,
+                head_dim,
+                workgroup,
+                rope,
+                rope_q,
+                rope_k,
+                in_batch,
+            } => attention(
+                &mut s, kv, head_dim, workgroup, rope, rope_q, rope_k, in_batch,
+            ),
+        }
+        s
+    }
+}
+
+/// The attention module for its variant (see [`Kernel::Attention`]).
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    s: &mut String,
+    kv: KvFormat,
+    head_dim: u32,
+    workgroup: u32,
+    rope: u32,
+    rope_q: bool,
+    rope_k: bool,
+    in_batch: bool,
+) {
+    s.push_str(&format!("const WG: u32 = {workgroup}u;\n"));
+    s.push_str(&format!(
+        "const HD: u32 = {head_dim}u;\n\
+                     const ROPE: u32 = {rope}u;\nconst ROPE_Q: u32 = {}u;\n\
+                     const ROPE_K: u32 = {}u;\nconst INBATCH: u32 = {}u;\n\
+                     @group(0) @binding(7) var<storage, read> inv_freq: array<f32>;\n",
+        u32::from(rope_q),
+        u32::from(rope_k),
+        u32::from(in_batch)
+    ));
+    kv_constants(s, kv);
+    s.push_str(KV_COMMON);
+    if let KvFormat::Mx(_) = kv {
+        s.push_str(
                         "@group(0) @binding(2) var<storage, read> mx_codes: array<u32>;\n\
                          @group(0) @binding(4) var<storage, read> mx_scales: array<u32>;\n\
                          fn kv_word(i: u32) -> u32 { return mx_codes[i]; }\n\
@@ -198,19 +286,24 @@ impl Kernel {
                              return mx_decode(code) * s;\n\
                          }\n",
                     );
-                    s.push_str(mx_quant::wgsl::DECODE_SOURCE);
-                } else {
-                    s.push_str(
-                        "@group(0) @binding(2) var<storage, read> kv: array<u32>;\n\
+        s.push_str(mx_quant::wgsl::DECODE_SOURCE);
+    } else {
+        s.push_str(
+            "@group(0) @binding(2) var<storage, read> kv: array<u32>;\n\
                          fn kv_word(i: u32) -> u32 { return kv[i]; }\n\
                          fn kv_mx_elem(page: u32, token: u32, d: u32) -> f32 { return 0.0; }\n",
-                    );
-                }
-                s.push_str(ATTENTION);
-            }
-        }
-        s
+        );
     }
+    s.push_str(ATTENTION);
+}
+
+fn linear_io(s: &mut String, input: LinearInput, accumulate: bool) {
+    s.push_str(&format!(
+        "const IN_MODE: u32 = {}u;\nconst OUT_ACC: u32 = {}u;\n",
+        input.code(),
+        u32::from(accumulate)
+    ));
+    s.push_str(LINEAR_IO);
 }
 
 /// `KV_DTYPE`, the MX decoding constants (a placeholder format for non-MX pages), and the
@@ -386,16 +479,52 @@ mod tests {
             WeightFormat::Q4_1,
         ]);
         for format in formats {
-            kernels.extend([
-                Kernel::Gemv { format, tokens: 1 },
-                Kernel::Gemv { format, tokens: 8 },
-                Kernel::Gemm { format },
-                Kernel::Embed { format },
-            ]);
+            kernels.push(Kernel::Embed { format });
+            for input in [LinearInput::Plain, LinearInput::Norm, LinearInput::SwiGlu] {
+                for accumulate in [false, true] {
+                    kernels.extend([
+                        Kernel::Gemv {
+                            format,
+                            tokens: 1,
+                            input,
+                            accumulate,
+                        },
+                        Kernel::Gemv {
+                            format,
+                            tokens: 8,
+                            input,
+                            accumulate,
+                        },
+                        Kernel::Gemm {
+                            format,
+                            input,
+                            accumulate,
+                        },
+                    ]);
+                }
+            }
         }
         for dtype in kv_paged::PageDtype::ALL {
             let kv = KvFormat::of(dtype);
-            kernels.extend([Kernel::KvWrite { kv }, Kernel::Attention { kv }]);
+            for rope in 0..3 {
+                kernels.push(Kernel::KvWrite { kv, rope });
+            }
+            for (head_dim, workgroup) in [(32, 64), (64, 64), (64, 32), (128, 32), (256, 16)] {
+                for (rope, rope_q, rope_k) in [(0, false, false), (1, true, true), (2, true, false)]
+                {
+                    for in_batch in [false, true] {
+                        kernels.push(Kernel::Attention {
+                            kv,
+                            head_dim,
+                            workgroup,
+                            rope,
+                            rope_q,
+                            rope_k,
+                            in_batch,
+                        });
+                    }
+                }
+            }
         }
         for k in kernels {
             if let Err(e) = compile(&k.source()) {

@@ -1,93 +1,143 @@
 // Causal grouped-query attention of each batch row over its sequence's KV pages (read through
-// the block table in the step buffer), one workgroup per (row, query head). Keys go 64 at a
-// time: each invocation scores one, then every invocation folds the tile into its own output
-// dimensions with an online softmax (m, l rescaled per tile), so any context length works.
+// the block table in the step buffer), one workgroup per (row, query head). Each invocation
+// takes every WG-th key and keeps its own online softmax (max m, sum l, output acc), so keys
+// are scored and folded in parallel, with no barrier per key; one reduction across the
+// workgroup merges the partial results at the end. The module declares HD (head_dim), WG,
+// ROPE (0, or the pairing of a rotary embedding folded in: 1 interleaved, 2 half-split),
+// ROPE_Q (1: rotate q here), ROPE_K (1: rotate this batch's keys here) and INBATCH (1: keys of
+// this batch come from the k and v tensors, rounded to the page dtype as the KV write stores
+// them, so this kernel does not wait for that write).
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> k: array<f32>;
+@group(0) @binding(6) var<storage, read> v: array<f32>;
 
-const WG: u32 = 64u;
-// Output dimensions per invocation: head_dim <= 256.
-const DPT: u32 = 4u;
-var<workgroup> qs: array<f32, 256>;
-var<workgroup> sc: array<f32, WG>;
+var<workgroup> qs: array<f32, HD>;
+var<workgroup> red_m: array<f32, WG>;
+var<workgroup> red_l: array<f32, WG>;
+// Each invocation's acc, with a stride of HD + 1 so the writes hit distinct banks.
+var<workgroup> accs: array<f32, WG * (HD + 1u)>;
 
-fn kv_elem(page: u32, token: u32, d: u32) -> f32 {
+// Elements 2p and 2p + 1 of a token's vector in a page.
+fn kv_pair(page: u32, token: u32, p: u32) -> vec2<f32> {
     if (KV_DTYPE == 0u) {
-        return bitcast<f32>(kv_word((page + token * 4u * pc.head_dim) / 4u + d));
+        let at = (page + token * 4u * HD) / 4u + 2u * p;
+        return vec2<f32>(bitcast<f32>(kv_word(at)), bitcast<f32>(kv_word(at + 1u)));
     } else if (KV_DTYPE == 1u) {
-        let pair = unpack2x16float(kv_word((page + token * 2u * pc.head_dim) / 4u + d / 2u));
-        return select(pair.x, pair.y, (d & 1u) != 0u);
+        return unpack2x16float(kv_word((page + token * 2u * HD) / 4u + p));
     } else if (KV_DTYPE == 2u) {
-        let w = kv_word((page + token * 2u * pc.head_dim) / 4u + d / 2u);
-        return bitcast<f32>(select(w << 16u, w & 0xFFFF0000u, (d & 1u) != 0u));
+        let w = kv_word((page + token * 2u * HD) / 4u + p);
+        return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xFFFF0000u));
     }
-    return kv_mx_elem(page, token, d);
+    return vec2<f32>(kv_mx_elem(page, token, 2u * p), kv_mx_elem(page, token, 2u * p + 1u));
 }
 
-@compute @workgroup_size(64)
+// Two values as a page of the cache's dtype would give them back (f32, f16 or bf16).
+fn as_stored(x: vec2<f32>) -> vec2<f32> {
+    if (KV_DTYPE == 1u) {
+        return unpack2x16float(pack2x16float(x));
+    } else if (KV_DTYPE == 2u) {
+        let lo = (bitcast<u32>(x.x) + 0x7FFFu + ((bitcast<u32>(x.x) >> 16u) & 1u)) & 0xFFFF0000u;
+        let hi = (bitcast<u32>(x.y) + 0x7FFFu + ((bitcast<u32>(x.y) >> 16u) & 1u)) & 0xFFFF0000u;
+        return vec2<f32>(bitcast<f32>(lo), bitcast<f32>(hi));
+    }
+    return x;
+}
+
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x;
     let h = wg.y;
     if (row >= step_n()) {
         return;
     }
-    let hd = pc.head_dim;
-    let qw = pc.q_heads * hd;
+    let qw = pc.q_heads * HD;
+    let kvw = pc.kv_heads * HD;
     let kvh = h / (pc.q_heads / pc.kv_heads);
-    for (var d = lid; d < hd; d += WG) {
-        qs[d] = q[row * qw + h * hd + d] * pc.scale;
+    let first = step_first_pos();
+    let qrow = row * qw + h * HD;
+    if (ROPE_Q != 0u) {
+        for (var i = lid; i < HD / 2u; i += WG) {
+            let ab = rope_pair(i);
+            let cs = rope_cs(first + row, i);
+            let x0 = q[qrow + ab.x];
+            let x1 = q[qrow + ab.y];
+            qs[ab.x] = (x0 * cs.x - x1 * cs.y) * pc.scale;
+            qs[ab.y] = (x0 * cs.y + x1 * cs.x) * pc.scale;
+        }
+    } else {
+        for (var d = lid; d < HD; d += WG) {
+            qs[d] = q[qrow + d] * pc.scale;
+        }
     }
     workgroupBarrier();
-    let keys = step_first_pos() + row + 1u;
+    let keys = first + row + 1u;
     var m = -3.0e38;
     var l = 0.0;
-    var acc: array<f32, DPT>;
-    for (var t0 = 0u; t0 < keys; t0 += WG) {
-        let j = t0 + lid;
-        var s = -3.0e38;
-        if (j < keys) {
-            let page = kv_page(step_block(j / pc.block_tokens), 0u, kvh);
-            let token = j % pc.block_tokens;
-            s = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                s += qs[d] * kv_elem(page, token, d);
-            }
-        }
-        sc[lid] = s;
-        workgroupBarrier();
-        var mt = m;
-        let count = min(WG, keys - t0);
-        for (var i = 0u; i < count; i++) {
-            mt = max(mt, sc[i]);
-        }
-        workgroupBarrier();
-        sc[lid] = exp(s - mt);
-        workgroupBarrier();
-        let corr = exp(m - mt);
-        l *= corr;
-        for (var c = 0u; c < DPT; c++) {
-            acc[c] *= corr;
-        }
-        for (var i = 0u; i < count; i++) {
-            let p = sc[i];
-            l += p;
-            let jj = t0 + i;
-            let page = kv_page(step_block(jj / pc.block_tokens), 1u, kvh);
-            let token = jj % pc.block_tokens;
-            for (var c = 0u; c < DPT; c++) {
-                let d = lid + c * WG;
-                if (d < hd) {
-                    acc[c] += p * kv_elem(page, token, d);
+    var acc: array<f32, HD>;
+    for (var j = lid; j < keys; j += WG) {
+        var s = 0.0;
+        let in_batch = INBATCH != 0u && j >= first;
+        let block = step_block(j / pc.block_tokens);
+        let token = j % pc.block_tokens;
+        let base = (j - min(j, first)) * kvw + kvh * HD;
+        if (in_batch) {
+            for (var i = 0u; i < HD / 2u; i++) {
+                let ab = rope_pair(i);
+                var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
+                if (ROPE_K != 0u) {
+                    let cs = rope_cs(j, i);
+                    k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
                 }
+                k2 = as_stored(k2);
+                s += qs[ab.x] * k2.x + qs[ab.y] * k2.y;
+            }
+        } else {
+            let kp = kv_page(block, 0u, kvh);
+            for (var p = 0u; p < HD / 2u; p++) {
+                let k2 = kv_pair(kp, token, p);
+                s += qs[2u * p] * k2.x + qs[2u * p + 1u] * k2.y;
             }
         }
-        m = mt;
-        workgroupBarrier();
-    }
-    for (var c = 0u; c < DPT; c++) {
-        let d = lid + c * WG;
-        if (d < hd) {
-            out[row * qw + h * hd + d] = acc[c] / l;
+        let m_new = max(m, s);
+        let corr = exp(m - m_new);
+        let e = exp(s - m_new);
+        l = l * corr + e;
+        let vp = kv_page(block, 1u, kvh);
+        for (var p = 0u; p < HD / 2u; p++) {
+            var v2: vec2<f32>;
+            if (in_batch) {
+                v2 = as_stored(vec2<f32>(v[base + 2u * p], v[base + 2u * p + 1u]));
+            } else {
+                v2 = kv_pair(vp, token, p);
+            }
+            acc[2u * p] = acc[2u * p] * corr + e * v2.x;
+            acc[2u * p + 1u] = acc[2u * p + 1u] * corr + e * v2.y;
         }
+        m = m_new;
+    }
+    red_m[lid] = m;
+    workgroupBarrier();
+    var mx = -3.0e38;
+    for (var t = 0u; t < WG; t++) {
+        mx = max(mx, red_m[t]);
+    }
+    // An invocation that saw no key has m = -3e38: its weight is exp(-huge) = 0.
+    let f = exp(m - mx);
+    red_l[lid] = l * f;
+    for (var d = 0u; d < HD; d++) {
+        accs[lid * (HD + 1u) + d] = acc[d] * f;
+    }
+    workgroupBarrier();
+    var total = 0.0;
+    for (var t = 0u; t < WG; t++) {
+        total += red_l[t];
+    }
+    for (var d = lid; d < HD; d += WG) {
+        var o = 0.0;
+        for (var t = 0u; t < WG; t++) {
+            o += accs[t * (HD + 1u) + d];
+        }
+        out[qrow + d] = o / total;
     }
 }

@@ -2,14 +2,39 @@
 // kv-paged's KvCache::write does on the CPU). One workgroup per (row, KV head, K or V):
 // invocations over elements (f32), pairs (f16, bf16) or 32-element blocks (MX, which take the
 // OCP scale floor(log2(amax)) - emax and round to nearest even, saturating).
+// With ROPE 1 (interleaved pairs) or 2 (half-split pairs) the rotary embedding of K is applied
+// here, as the Rope op folded into this one would have (same angles as rope.wgsl).
 @group(0) @binding(1) var<storage, read> k: array<f32>;
 @group(0) @binding(2) var<storage, read> v: array<f32>;
 
-fn src(is_v: u32, i: u32) -> f32 {
+// Element d of the head vector starting at `base`, for the row at position `pos`.
+fn src(is_v: u32, base: u32, d: u32, pos: u32) -> f32 {
     if (is_v != 0u) {
-        return v[i];
+        return v[base + d];
     }
-    return k[i];
+    if (ROPE == 0u) {
+        return k[base + d];
+    }
+    let half_dim = pc.head_dim / 2u;
+    var i: u32;
+    var a: u32;
+    var b: u32;
+    if (ROPE == 1u) {
+        i = d / 2u;
+        a = 2u * i;
+        b = a + 1u;
+    } else {
+        i = d % half_dim;
+        a = i;
+        b = i + half_dim;
+    }
+    let cs = rope_cs(pos, i);
+    let x0 = k[base + a];
+    let x1 = k[base + b];
+    if (d == a) {
+        return x0 * cs.x - x1 * cs.y;
+    }
+    return x0 * cs.y + x1 * cs.x;
 }
 
 fn bf16_bits(x: f32) -> u32 {
@@ -58,21 +83,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let token = slot % pc.block_tokens;
     let hd = pc.head_dim;
     let src_at = row * pc.kv_heads * hd + head * hd;
+    let pos = step_first_pos() + row;
     let page = kv_page(block, is_v, head);
     let at = (page + token * kv_vector_bytes()) / 4u;
     if (KV_DTYPE == 0u) {
         for (var d = lid; d < hd; d += 64u) {
-            kv_store(at + d, bitcast<u32>(src(is_v, src_at + d)));
+            kv_store(at + d, bitcast<u32>(src(is_v, src_at, d, pos)));
         }
     } else if (KV_DTYPE == 1u) {
         for (var p = lid; p < hd / 2u; p += 64u) {
-            let pair = vec2<f32>(src(is_v, src_at + 2u * p), src(is_v, src_at + 2u * p + 1u));
+            let pair = vec2<f32>(src(is_v, src_at, 2u * p, pos), src(is_v, src_at, 2u * p + 1u, pos));
             kv_store(at + p, pack2x16float(pair));
         }
     } else if (KV_DTYPE == 2u) {
         for (var p = lid; p < hd / 2u; p += 64u) {
-            let lo = bf16_bits(src(is_v, src_at + 2u * p));
-            let hi = bf16_bits(src(is_v, src_at + 2u * p + 1u));
+            let lo = bf16_bits(src(is_v, src_at, 2u * p, pos));
+            let hi = bf16_bits(src(is_v, src_at, 2u * p + 1u, pos));
             kv_store(at + p, lo | (hi << 16u));
         }
     } else {
@@ -82,7 +108,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         var amax = 0.0;
         for (var i = 0u; i < 32u; i++) {
-            amax = max(amax, abs(src(is_v, src_at + b * 32u + i)));
+            amax = max(amax, abs(src(is_v, src_at, b * 32u + i, pos)));
         }
         var x = -127;
         if (amax > 0.0) {
@@ -96,14 +122,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         var filled = 0u;
         var w = code_bits / 32u;
         for (var i = 0u; i < 32u; i++) {
-            word |= mx_encode(src(is_v, src_at + b * 32u + i) * inv) << filled;
+            word |= mx_encode(src(is_v, src_at, b * 32u + i, pos) * inv) << filled;
             filled += MX_ELEM_BITS;
             if (filled >= 32u) {
                 kv_store(w, word);
                 w += 1u;
                 filled -= 32u;
                 // The bits of the last code that did not fit (FP6 straddles words).
-                word = select(0u, mx_encode(src(is_v, src_at + b * 32u + i) * inv) >> (MX_ELEM_BITS - filled), filled > 0u);
+                word = select(0u, mx_encode(src(is_v, src_at, b * 32u + i, pos) * inv) >> (MX_ELEM_BITS - filled), filled > 0u);
             }
         }
         // The scale byte shares its word with other tokens' scales: set it atomically.

@@ -1,21 +1,15 @@
 // y[t][row] = sum_k W[row][k] x[t][k] for prefill batches: 64 rows x 64 tokens per workgroup,
 // 32 columns per step staged in workgroup memory (the weights decoded once per tile), 4 x 4
-// outputs per invocation. The module declares W_FORMAT.
-struct Params {
-    rows: u32,
-    cols: u32,
-    selected: u32,
-}
-var<immediate> pc: Params;
-@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read_write> y: array<f32>;
-
+// outputs per invocation. The module declares W_FORMAT and the linear_io.wgsl constants.
 const BM: u32 = 64u;
 const BN: u32 = 64u;
 const BK: u32 = 32u;
 // [k][row / 4] and [k][token / 4]: each element packs four neighbouring rows (tokens).
 var<workgroup> ws: array<vec4<f32>, 512>;
 var<workgroup> xs: array<vec4<f32>, 512>;
+// The fused RMSNorm: partial sums, then 1 / rms per token of the tile.
+var<workgroup> sq: array<f32, 256>;
+var<workgroup> inv_s: array<f32, 64>;
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -25,9 +19,23 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     if (tok0 >= span.y) {
         return;
     }
+    if (IN_MODE == 1u) {
+        // Four invocations per token row, each a quarter of the columns.
+        let r = lid / 4u;
+        var s = 0.0;
+        if (tok0 + r < span.y) {
+            s = sum_squares(span.x + tok0 + r, lid % 4u, 4u);
+        }
+        sq[lid] = s;
+        workgroupBarrier();
+        if (lid < 64u) {
+            let total = sq[4u * lid] + sq[4u * lid + 1u] + sq[4u * lid + 2u] + sq[4u * lid + 3u];
+            inv_s[lid] = 1.0 / sqrt(total / f32(pc.cols) + pc.eps);
+        }
+        workgroupBarrier();
+    }
     let tr = lid % 16u;
     let tt = lid / 16u;
-    let k4s = pc.cols / 4u;
     var acc: array<vec4<f32>, 4>;
     for (var k0 = 0u; k0 < pc.cols; k0 += BK) {
         for (var i = 0u; i < 2u; i++) {
@@ -43,7 +51,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             var v = vec4<f32>(0.0);
             if (tok0 + r < span.y) {
-                v = x[(span.x + tok0 + r) * k4s + k0 / 4u + kq];
+                var inv = 1.0;
+                if (IN_MODE == 1u) {
+                    inv = inv_s[r];
+                }
+                v = load_x(span.x + tok0 + r, k0 / 4u + kq, inv);
             }
             for (var j = 0u; j < 4u; j++) {
                 xs[(kq * 4u + j) * 16u + r / 4u][r % 4u] = v[j];
@@ -65,7 +77,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         for (var j = 0u; j < 4u; j++) {
             let t = tok0 + tt * 4u + j;
             if (row < pc.rows && t < span.y) {
-                y[t * pc.rows + row] = acc[i][j];
+                store_y(t * pc.rows + row, acc[i][j]);
             }
         }
     }

@@ -1,7 +1,7 @@
 // Rotary position embedding in place: row r is at position first_pos + r. Angles follow the CPU
-// reference exactly: interleaved pairs multiply the position by theta_scale i times (llama.cpp's
-// recurrence), half-split pairs take position * inv_freq[i] (Hugging Face's); sin and cos work
-// on the angle reduced to [-pi, pi] in two steps, so long positions keep their accuracy.
+// reference: interleaved pairs scale the position by theta_scale^i (llama.cpp's recurrence,
+// within an ulp or two), half-split pairs take position * inv_freq[i] (Hugging Face's); sin and
+// cos work on the angle reduced to [-pi, pi] in two steps, so long positions keep their accuracy.
 struct Params {
     width: u32,
     head_dim: u32,
@@ -27,10 +27,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     var a: u32;
     var b: u32;
     if (pc.interleaved != 0u) {
-        angle = pos;
-        for (var j = 0u; j < i; j++) {
-            angle *= pc.theta_scale;
+        // theta_scale^i by squaring, a fixed eight steps (see kv_common.wgsl's rope_cs).
+        var scale_i = 1.0;
+        var square = pc.theta_scale;
+        for (var bit = 0u; bit < 8u; bit++) {
+            scale_i = select(scale_i, scale_i * square, ((i >> bit) & 1u) != 0u);
+            square = square * square;
         }
+        angle = pos * scale_i;
         a = 2u * i;
         b = 2u * i + 1u;
     } else {

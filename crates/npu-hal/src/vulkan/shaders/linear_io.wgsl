@@ -1,0 +1,48 @@
+// Input and output stages shared by the linear kernels, chosen by constants the module
+// declares, so a linear layer can absorb the row-wise op before and after it:
+//   IN_MODE 0: x as it is;
+//           1: rms_norm(x) * gain (the RMSNorm whose output only linear layers read); `aux` is
+//              the gain, push constant `eps`;
+//           2: silu(x) * up (the SwiGLU whose output only this layer reads); `aux` is `up`;
+//   OUT_ACC 0: y = W x;  1: y += W x (the residual add that follows).
+struct Params {
+    rows: u32,
+    cols: u32,
+    selected: u32,
+    eps: f32,
+}
+var<immediate> pc: Params;
+@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+@group(0) @binding(5) var<storage, read> aux: array<vec4<f32>>;
+
+// Elements 4 k4 .. 4 k4 + 3 of input row `t` (an absolute row of the x tensor), with `inv`
+// that row's 1 / rms when IN_MODE is 1.
+fn load_x(t: u32, k4: u32, inv: f32) -> vec4<f32> {
+    let i = t * (pc.cols / 4u) + k4;
+    let v = x[i];
+    if (IN_MODE == 1u) {
+        return v * inv * aux[k4];
+    } else if (IN_MODE == 2u) {
+        return v / (1.0 + exp(-v)) * aux[i];
+    }
+    return v;
+}
+
+// The sum of squares of input row `t` over the k4 slots this invocation takes.
+fn sum_squares(t: u32, first: u32, stride: u32) -> f32 {
+    var s = 0.0;
+    for (var k4 = first; k4 < pc.cols / 4u; k4 += stride) {
+        let v = x[t * (pc.cols / 4u) + k4];
+        s += dot(v, v);
+    }
+    return s;
+}
+
+fn store_y(i: u32, v: f32) {
+    if (OUT_ACC != 0u) {
+        y[i] += v;
+    } else {
+        y[i] = v;
+    }
+}

@@ -1,0 +1,161 @@
+//! The decoder on npu-hal's GPU backend against the same decoder on the CPU reference NPU:
+//! fixtures/tiny-llama (GGUF with interleaved RoPE, safetensors with half-split RoPE) at several
+//! policies, logits of every position compared (max and mean error printed), and greedy ids.
+//!
+//! On CI the GPU is lavapipe. Without any Vulkan adapter the tests fail when `CI=true` and
+//! otherwise print a visible skip; they never pass without having run on a GPU.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use kv_paged::PageDtype;
+use npu_hal::sampling::SamplingParams;
+use pipeline::decoder::{Decoder, DecoderOptions, WeightPolicy};
+
+fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/tiny-llama")
+        .join(rel)
+}
+
+fn gpu() -> Option<Box<dyn npu_hal::Device>> {
+    use npu_hal::Backend;
+    match npu_hal::VulkanBackend::default().open() {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let msg = format!(
+                "no Vulkan device for the GPU decoder ({e}); install a Vulkan driver \
+                 (Debian/Ubuntu: `apt-get install mesa-vulkan-drivers libvulkan1` for lavapipe)"
+            );
+            let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+            assert!(!ci, "{msg}: CI must run the GPU decoder for real");
+            let _ = writeln!(std::io::stderr(), "\nSKIPPED: {msg}\n");
+            None
+        }
+    }
+}
+
+fn options(policy: &str, kv: PageDtype) -> DecoderOptions {
+    DecoderOptions {
+        policy: WeightPolicy::parse(policy).unwrap(),
+        ctx: 64,
+        max_batch: 64,
+        max_logit_rows: 8,
+        kv_dtype: kv,
+        cache: None,
+    }
+}
+
+/// The CPU and GPU decoders of one model at one policy.
+fn pair(model: &str, policy: &str, kv: PageDtype) -> Option<(Decoder, Decoder)> {
+    let device = gpu()?;
+    let path = fixture(model);
+    let cpu = pipeline::llm::open_decoder(&path, options(policy, kv), 2)
+        .unwrap()
+        .0;
+    let gpu = pipeline::llm::open_decoder_on(&path, options(policy, kv), device)
+        .unwrap()
+        .0;
+    Some((cpu, gpu))
+}
+
+fn all_logits(d: &mut Decoder, ids: &[u32]) -> Vec<f32> {
+    d.reset().unwrap();
+    let mut out = Vec::new();
+    d.forward(ids, 0..ids.len(), |_, l| out.extend_from_slice(l))
+        .unwrap();
+    out
+}
+
+/// (max, mean) of |gpu - cpu| over max |cpu|.
+fn errors(gpu: &[f32], cpu: &[f32]) -> (f32, f32) {
+    assert_eq!(gpu.len(), cpu.len());
+    let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let diff: Vec<f32> = gpu.iter().zip(cpu).map(|(a, b)| (a - b).abs()).collect();
+    let max = diff.iter().fold(0f32, |m, &d| m.max(d));
+    (
+        max / scale,
+        diff.iter().sum::<f32>() / diff.len() as f32 / scale,
+    )
+}
+
+const IDS: [u32; 19] = [
+    1, 17, 250, 3, 99, 42, 42, 7, 318, 64, 128, 5, 200, 11, 300, 9, 77, 150, 23,
+];
+
+#[test]
+fn gpu_decoder_logits_match_the_cpu_on_tiny_llama() {
+    // exact-f32 is f32 arithmetic on both; the MX policies round activations to int8 on the CPU
+    // (its integer dot products) and keep them in f32 on the GPU; exact adds ggml's activation
+    // rounding and f16 attention on the CPU alone. (MX pages need head_dim 32, which this
+    // model does not have: npu-hal's gpu_vs_cpu test covers them.)
+    for (model, policy, kv, tolerance) in [
+        ("tiny.gguf", "exact-f32", PageDtype::F32, 1e-4),
+        ("hf", "exact-f32", PageDtype::F16, 1e-3),
+        ("tiny.gguf", "exact", PageDtype::F16, 2e-2),
+        ("tiny.gguf", "default", PageDtype::F16, 5e-2),
+        ("hf", "fp4", PageDtype::Bf16, 5e-2),
+        ("tiny.gguf", "int8", PageDtype::F32, 5e-2),
+    ] {
+        let Some((mut cpu, mut gpu)) = pair(model, policy, kv) else {
+            return;
+        };
+        // One prefill batch (the tiled kernels), then token by token (the per-row kernels).
+        let (mut want, mut got) = (all_logits(&mut cpu, &IDS), all_logits(&mut gpu, &IDS));
+        for &t in &IDS[..6] {
+            want.extend(cpu.forward_last(&[t]).unwrap());
+            got.extend(gpu.forward_last(&[t]).unwrap());
+        }
+        let (max, mean) = errors(&got, &want);
+        let _ = writeln!(
+            std::io::stderr(),
+            "device-test detail: {model} {policy} kv {kv:?} on {}: max error {max:.2e}, mean {mean:.2e} (of max |logit|)",
+            gpu.device().info().name
+        );
+        assert!(
+            max <= tolerance,
+            "{model} {policy} kv {kv:?}: GPU logits differ from the CPU's by up to {max} \
+             (tolerance {tolerance})"
+        );
+    }
+}
+
+#[test]
+fn gpu_decoder_greedy_ids_agree_with_the_cpu() {
+    for (model, policy) in [
+        ("tiny.gguf", "exact-f32"),
+        ("hf", "exact-f32"),
+        ("tiny.gguf", "exact"),
+    ] {
+        let Some((mut cpu, mut gpu)) = pair(model, policy, PageDtype::F16) else {
+            return;
+        };
+        let run = |d: &mut Decoder| {
+            let mut ids = Vec::new();
+            pipeline::llm::generate(d, &IDS[..5], 24, SamplingParams::default(), &[], |t| {
+                ids.push(t);
+                true
+            })
+            .unwrap();
+            ids
+        };
+        let (want, got) = (run(&mut cpu), run(&mut gpu));
+        let agree = want.iter().zip(&got).take_while(|(a, b)| a == b).count();
+        assert!(
+            agree >= 16,
+            "{model} {policy}: only {agree} greedy ids agree\ncpu {want:?}\ngpu {got:?}"
+        );
+    }
+}
+
+#[test]
+fn gpu_decoder_refuses_a_bad_token_by_name_and_recovers() {
+    let Some((_, mut gpu)) = pair("tiny.gguf", "default", PageDtype::F16) else {
+        return;
+    };
+    let vocab = gpu.config().vocab_size as u32;
+    let err = gpu.forward_last(&[1, vocab + 5]).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    // The refused call left no timeline value unsignalled: the next one runs.
+    assert_eq!(gpu.forward_last(&[1, 2, 3]).unwrap().len(), vocab as usize);
+}
