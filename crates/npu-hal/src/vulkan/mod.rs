@@ -1447,7 +1447,8 @@ impl VulkanNpu {
         words[8] = table_at as u32;
         words.extend_from_slice(b.tokens);
         words.resize(slots_at, 0);
-        if let Some(kv) = kv {
+        // Only a program with attention reads slots and the block table.
+        if let Some(kv) = kv.filter(|_| p.kv.is_some()) {
             let bt = kv.layout().block_tokens;
             for s in b.slots {
                 words.push(s.block * bt as u32 + s.offset);
@@ -2263,5 +2264,127 @@ impl Drop for VulkanNpu {
                 .device
                 .destroy_command_pool(self.program_pool, None)
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Numerics, RopeStyle};
+
+    /// A decoder's two layers plan into five linear dispatches and one attention per layer:
+    /// the norms, SwiGLUs, adds and RoPEs fold, except where a value outlives the program (the
+    /// last layer's K, Q and down output, the final norm the head reads).
+    #[test]
+    fn a_decoder_program_folds_its_row_wise_ops() {
+        let t = TensorId;
+        let w = WeightId;
+        let (x, xn, q, k, v, attn, o, gate, up, act) =
+            (t(0), t(1), t(2), t(3), t(4), t(5), t(6), t(7), t(8), t(9));
+        let linear = |weight, x, out| Op::Linear {
+            weight: w(weight),
+            x,
+            out,
+            rows: Rows::All,
+        };
+        let rope = |x| Op::Rope {
+            x,
+            head_dim: 64,
+            theta: 1e4,
+            style: RopeStyle::Interleaved,
+        };
+        let mut ops = vec![Op::Embed {
+            table: w(0),
+            out: x,
+        }];
+        for layer in 0..2 {
+            ops.extend([
+                Op::RmsNorm {
+                    x,
+                    weight: w(1),
+                    eps: 1e-5,
+                    out: xn,
+                },
+                linear(2, xn, q),
+                linear(3, xn, k),
+                linear(4, xn, v),
+                rope(q),
+                rope(k),
+                Op::Attention {
+                    layer,
+                    q,
+                    k,
+                    v,
+                    out: attn,
+                    q_heads: 4,
+                    numerics: Numerics::Standard,
+                },
+                linear(5, attn, o),
+                Op::Add { acc: x, x: o },
+                Op::RmsNorm {
+                    x,
+                    weight: w(6),
+                    eps: 1e-5,
+                    out: xn,
+                },
+                linear(7, xn, gate),
+                linear(8, xn, up),
+                Op::SwiGlu {
+                    gate,
+                    up,
+                    out: act,
+                    numerics: Numerics::Standard,
+                },
+                linear(9, act, o),
+                Op::Add { acc: x, x: o },
+            ]);
+        }
+        ops.push(Op::RmsNorm {
+            x,
+            weight: w(10),
+            eps: 1e-5,
+            out: xn,
+        });
+        let plan = fuse(&ops);
+        let folded = plan.iter().filter(|p| **p == Planned::Folded).count();
+        // Layer 0: 2 norms, 2 ropes, 2 adds, 1 SwiGLU; layer 1: its norms, the add after O
+        // (o is rewritten by down), nothing after down (o is never rewritten), RoPE on neither Q
+        // nor K (never rewritten), no SwiGLU (act is never rewritten).
+        assert_eq!(folded, 7 + 3, "{plan:?}");
+        let norm = FusedInput::Norm {
+            x,
+            gain: w(1),
+            eps: 1e-5,
+        };
+        assert_eq!(
+            plan[2],
+            Planned::Linear {
+                input: norm,
+                accumulate: None
+            }
+        );
+        assert_eq!(
+            plan[8],
+            Planned::Linear {
+                input: FusedInput::Plain,
+                accumulate: Some(x)
+            }
+        );
+        assert_eq!(
+            plan[14],
+            Planned::Linear {
+                input: FusedInput::SwiGlu { gate, up },
+                accumulate: Some(x)
+            }
+        );
+        assert_eq!(
+            plan[7],
+            Planned::Attention {
+                rope_q: Some(5),
+                rope_k: Some(6)
+            }
+        );
+        // The final norm's output is read by another submission: it runs on its own.
+        assert_eq!(plan[ops.len() - 1], Planned::Alone);
     }
 }

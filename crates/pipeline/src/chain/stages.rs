@@ -121,7 +121,7 @@ pub struct Generation {
 
 /// The decoder: image embeddings in, text out, streamed piece by piece.
 pub trait DecoderStage: Send {
-    /// `decoder-cpu`, ...
+    /// `decoder-cpu`, `decoder-gpu`, ...
     fn name(&self) -> &'static str;
     /// Generates a reply for the image whose embeddings are `image`, calling `on_text` with
     /// each decoded piece; stops early when `on_text` returns `false`.
@@ -660,7 +660,11 @@ impl NpuDecoder {
 
 impl DecoderStage for NpuDecoder {
     fn name(&self) -> &'static str {
-        "decoder-cpu"
+        match self.decoder.device().info().kind {
+            npu_hal::DeviceKind::Gpu => "decoder-gpu",
+            npu_hal::DeviceKind::Accel => "decoder-accel",
+            npu_hal::DeviceKind::Cpu | npu_hal::DeviceKind::Empty => "decoder-cpu",
+        }
     }
 
     fn describe(
