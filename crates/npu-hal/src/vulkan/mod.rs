@@ -201,7 +201,13 @@ enum Grid {
     },
     /// `(rows, heads, depth)`.
     Heads { heads: u32, depth: u32 },
+    /// Attention, `(rows, heads, 1)`: the dispatch's own kernel for short batches, `paged` (which
+    /// reads every key from the pages, after the KV write) for longer ones.
+    Attention { heads: u32, paged: Kernel },
 }
+
+/// Batches longer than this take the prefill variants (GEMM, paged attention).
+const SHORT_BATCH: u32 = 8;
 
 #[derive(Debug)]
 struct Dispatch {
@@ -1172,11 +1178,23 @@ impl VulkanNpu {
         } else {
             vec![Resource::Tensor(q.0), Resource::Kv]
         };
+        // Long batches read this batch's keys back from the pages instead, after the KV write
+        // (one barrier): rotating and rounding every key for every row costs more there than
+        // the barrier does.
+        let paged = Kernel::Attention {
+            kv: kvf,
+            head_dim: hd,
+            workgroup,
+            rope,
+            rope_q: q_rope.is_some(),
+            rope_k: false,
+            in_batch: false,
+        };
         p.dispatches.push(Dispatch {
             kernel,
-            grid: Grid::Heads {
+            grid: Grid::Attention {
                 heads: q_heads as u32,
-                depth: 1,
+                paged,
             },
             set,
             push,
@@ -1309,6 +1327,17 @@ impl VulkanNpu {
                 )
             };
             let (kernel, groups) = shape_of(kernel, grid, tokens, selected);
+            let mut reads = reads;
+            if matches!(
+                kernel,
+                Kernel::Attention {
+                    in_batch: false,
+                    ..
+                }
+            ) && !reads.contains(&Resource::Kv)
+            {
+                reads.push(Resource::Kv);
+            }
             let hazard = reads.iter().chain(&writes).any(|r| written.contains(r))
                 || writes.iter().any(|w| read.contains(w));
             if hazard {
@@ -1478,6 +1507,8 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
         Grid::PerRow => (kernel, [n, 1, 1]),
         Grid::Elements { width, per } => (kernel, [width.div_ceil(per), n, 1]),
         Grid::Heads { heads, depth } => (kernel, [n, heads, depth]),
+        Grid::Attention { heads, paged } if n > SHORT_BATCH => (paged, [n, heads, 1]),
+        Grid::Attention { heads, .. } => (kernel, [n, heads, 1]),
         Grid::Linear {
             format,
             rows,
@@ -1494,7 +1525,7 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             };
             match m {
                 0 | 1 => (gemv(1), [rows.div_ceil(8), 1, 1]),
-                2..=8 => (gemv(8), [rows.div_ceil(8), 1, 1]),
+                2..=SHORT_BATCH => (gemv(8), [rows.div_ceil(8), 1, 1]),
                 _ => (
                     Kernel::Gemm {
                         format,
