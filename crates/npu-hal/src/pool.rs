@@ -4,7 +4,7 @@
 //! A decode step is a few hundred short parallel ops (one per linear layer, a few microseconds
 //! each), so the cost of handing out work is what matters: a futex wake-up on the VMs this
 //! project runs on costs about 23 µs (the sync-timeline bench), longer than many of the ops. Workers
-//! therefore spin on an epoch counter for [`WorkerPool::spin`] after each job before they sleep on
+//! therefore spin on an epoch counter for the pool's spin budget after each job before they sleep on
 //! a condition variable, as llama.cpp's thread pool does; back-to-back ops never sleep.
 //!
 //! Invariants:

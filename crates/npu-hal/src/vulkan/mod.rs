@@ -10,6 +10,10 @@
 //! - **Barriers from the program.** Each dispatch lists what it reads and writes; a barrier goes
 //!   in only where a dispatch touches what an earlier one since the last barrier wrote (or
 //!   writes what it read), so independent ops (Q, K and V; gate and up) run together.
+//! - **Fused where the data flow allows** ([`fuse`]): an RMSNorm or SwiGLU whose only readers
+//!   are linear layers becomes their input stage, a residual add the output stage of the linear
+//!   layer before it, and RoPE folds into the KV write and the attention. On a discrete GPU a
+//!   decode step costs its chain of dependent dispatches, so each fold is a level saved.
 //! - **Weights stay in their format**: MX (decoded in the kernels by mx-quant's WGSL library),
 //!   ggml Q4_0/Q4_1/Q8_0 (split into a quant plane and a scale plane, the bits unchanged), and
 //!   dense matrices as f16 or bf16 when every value is exactly one, f32 otherwise.
@@ -19,11 +23,12 @@
 //! - **Timelines.** Every submission signals the device's private completion timeline; a
 //!   submission's `wait` and `signal` on a Vulkan timeline of the same device happen in the
 //!   queue, with no host wake; any other timeline is waited on (or signalled) from the host,
-//!   and counted in [`VulkanNpu::host_waits`]. [`Device::timeline`] hands out a timeline of this
-//!   device, so a decoder's chained submissions never wake the CPU between them.
-//! - **Logits come back** through [`Device::read_tensor`]: read in place on unified memory,
-//!   copied through a host-visible buffer otherwise (counted by uvm-alloc's copy ledger, stage
-//!   `gpu-readback`: the one per-token transfer).
+//!   and counted in [`DeviceStats::host_waits`]. [`Device::timeline`] hands out a timeline of
+//!   this device, so a decoder's chained submissions never wake the CPU between them.
+//! - **Logits come back** through [`Device::read_tensor`] from a
+//!   [`Device::create_readback_tensor`]: in host memory the GPU writes (counted by uvm-alloc's
+//!   copy ledger, stage `gpu-readback`: the one per-token transfer), or in place on unified
+//!   memory. Other tensors are copied out through a staging buffer.
 //!
 //! A device that lacks something a program needs is refused with [`Error::Unsupported`]; nothing
 //! falls back to the CPU.
@@ -1500,6 +1505,14 @@ impl VulkanNpu {
     }
 }
 
+/// `t` as a Vulkan timeline of `device`, whose waits and signals can go in this device's queue.
+fn same_device(t: &dyn Timeline, device: vk::Device) -> Option<&VulkanTimeline> {
+    match t.backend() {
+        sync_timeline::Backend::Vulkan(v) if v.device().handle() == device => Some(v),
+        _ => None,
+    }
+}
+
 /// The kernel and workgroup counts of a dispatch for batch shape (tokens, selected rows).
 fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kernel, [u32; 3]) {
     let n = tokens as u32;
@@ -2192,17 +2205,11 @@ impl VulkanNpu {
         // Same-device Vulkan timelines are waited on and signalled in the queue; anything else
         // from the host.
         let device = self.ctx.device.handle();
-        let same = |t: &dyn Timeline| match t.backend() {
-            sync_timeline::Backend::Vulkan(v) if v.device().handle() == device => {
-                Some(v as *const VulkanTimeline)
-            }
-            _ => None,
-        };
         let mut waits: Vec<(&VulkanTimeline, u64)> = Vec::new();
         if let Some((t, v)) = wait {
-            match t.backend() {
-                sync_timeline::Backend::Vulkan(vt) if same(t).is_some() => waits.push((vt, v)),
-                _ => {
+            match same_device(t, device) {
+                Some(vt) => waits.push((vt, v)),
+                None => {
                     if t.value()? < v {
                         self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
                     }
@@ -2213,8 +2220,8 @@ impl VulkanNpu {
         let mut signals: Vec<(&VulkanTimeline, u64)> = Vec::new();
         let mut host_signal = None;
         if let Some((t, v)) = signal {
-            match t.backend() {
-                sync_timeline::Backend::Vulkan(vt) if same(t).is_some() => {
+            match same_device(t, device) {
+                Some(vt) => {
                     let current = vt.value()?;
                     if v <= current {
                         return Err(Error::Timeline(sync_timeline::Error::Backwards {
@@ -2224,7 +2231,7 @@ impl VulkanNpu {
                     }
                     signals.push((vt, v))
                 }
-                _ => host_signal = Some((t, v)),
+                None => host_signal = Some((t, v)),
             }
         }
         let recorded = &self.programs[pi].recorded[&shape];
