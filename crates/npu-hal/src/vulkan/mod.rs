@@ -12,7 +12,9 @@
 //!   writes what it read), so independent ops (Q, K and V; gate and up) run together.
 //! - **Fused where the data flow allows** ([`fuse`]): an RMSNorm or SwiGLU whose only readers
 //!   are linear layers becomes their input stage, a residual add the output stage of the linear
-//!   layer before it, and RoPE folds into the KV write and the attention. On a discrete GPU a
+//!   layer before it, and RoPE folds into the KV write and the attention (which, for short
+//!   batches, reads the batch's own K and V from the tensors and so runs beside the KV write;
+//!   long batches read them back from the pages after it). On a discrete GPU a
 //!   decode step costs its chain of dependent dispatches, so each fold is a level saved.
 //! - **Weights stay in their format**: MX (decoded in the kernels by mx-quant's WGSL library),
 //!   ggml Q4_0/Q4_1/Q8_0 (split into a quant plane and a scale plane, the bits unchanged), and
