@@ -60,6 +60,20 @@ struct HardwareTest {
     ignored: bool,
 }
 
+/// A hardware test that also runs in CI's ordinary `cargo test` (lavapipe): listed so a device
+/// report names it, run without `--ignored`.
+const fn in_ci(
+    package: &'static str,
+    target: Target,
+    name: &'static str,
+    needs: &'static [Need],
+) -> HardwareTest {
+    HardwareTest {
+        ignored: false,
+        ..hw(package, target, name, needs)
+    }
+}
+
 const fn hw(
     package: &'static str,
     target: Target,
@@ -144,33 +158,24 @@ const TESTS: &[HardwareTest] = &[
         &[Need::Accel],
     ),
     // Real GPU paths that also run in CI (lavapipe): listed so a device report names them.
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "uvm-alloc",
-            Target::Test("zero_copy"),
-            "shader_writes_the_pages_the_cpu_mapped",
-            &[Need::Vulkan],
-        )
-    },
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "pipeline",
-            Target::Test("vision"),
-            "gpu_encoder_matches_the_cpu_reference_on_a_wider_tower",
-            &[Need::Vulkan],
-        )
-    },
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "pipeline",
-            Target::Test("chain"),
-            "the_gpu_chain_decodes_every_sampled_frame_with_zero_copies",
-            &[Need::Vulkan],
-        )
-    },
+    in_ci(
+        "uvm-alloc",
+        Target::Test("zero_copy"),
+        "shader_writes_the_pages_the_cpu_mapped",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "pipeline",
+        Target::Test("vision"),
+        "gpu_encoder_matches_the_cpu_reference_on_a_wider_tower",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "pipeline",
+        Target::Test("chain"),
+        "the_gpu_chain_decodes_every_sampled_frame_with_zero_copies",
+        &[Need::Vulkan],
+    ),
     hw(
         "pipeline",
         Target::Test("vision"),
@@ -178,51 +183,36 @@ const TESTS: &[HardwareTest] = &[
         &[Need::VulkanCoopMatrix],
     ),
     // The decoder on npu-hal's GPU backend against the CPU NPU.
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "npu-hal",
-            Target::Test("gpu_vs_cpu"),
-            "mx_weights_match_the_cpu",
-            &[Need::Vulkan],
-        )
-    },
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "npu-hal",
-            Target::Test("gpu_vs_cpu"),
-            "dense_and_ggml_weights_match_the_cpu",
-            &[Need::Vulkan],
-        )
-    },
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "npu-hal",
-            Target::Test("gpu_vs_cpu"),
-            "every_kv_dtype_matches_the_cpu",
-            &[Need::Vulkan],
-        )
-    },
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "pipeline",
-            Target::Test("gpu_decoder"),
-            "gpu_decoder_logits_match_the_cpu_on_tiny_llama",
-            &[Need::Vulkan],
-        )
-    },
-    HardwareTest {
-        ignored: false,
-        ..hw(
-            "pipeline",
-            Target::Test("gpu_decoder"),
-            "gpu_decoder_greedy_ids_agree_with_the_cpu",
-            &[Need::Vulkan],
-        )
-    },
+    in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "mx_weights_match_the_cpu",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "dense_and_ggml_weights_match_the_cpu",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "every_kv_dtype_matches_the_cpu",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "pipeline",
+        Target::Test("gpu_decoder"),
+        "gpu_decoder_logits_match_the_cpu_on_tiny_llama",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "pipeline",
+        Target::Test("gpu_decoder"),
+        "gpu_decoder_greedy_ids_agree_with_the_cpu",
+        &[Need::Vulkan],
+    ),
 ];
 
 /// Whether the discovery `report` shows what `need` asks for; `Err` says why not.

@@ -17,7 +17,7 @@ use uvm_alloc::{Access, Allocator, AllocatorDesc, UnifiedBuffer};
 use crate::Error;
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
-    WeightId, check_op,
+    WeightId, check_op, check_rows,
 };
 use crate::kernels;
 use crate::pool::{WorkerPool, share};
@@ -583,17 +583,7 @@ impl Device for CpuNpu {
         out: &mut [f32],
     ) -> Result<(), Error> {
         let t = self.tensor(tensor, 0)?;
-        if rows.start > rows.end || rows.end > t.max_rows || out.len() != rows.len() * t.width {
-            return Err(Error::BadOp {
-                op: 0,
-                what: format!(
-                    "read_tensor: rows {rows:?} of {} / output of {} values for width {}",
-                    t.max_rows,
-                    out.len(),
-                    t.width
-                ),
-            });
-        }
+        check_rows("read_tensor", t.width, t.max_rows, &rows, out.len())?;
         let g = t.buffer.cpu_access(
             rows.start * t.width * 4..rows.end * t.width * 4,
             Access::Read,
@@ -609,17 +599,7 @@ impl Device for CpuNpu {
         data: &[f32],
     ) -> Result<(), Error> {
         let t = self.tensor(tensor, 0)?;
-        if rows.start > rows.end || rows.end > t.max_rows || data.len() != rows.len() * t.width {
-            return Err(Error::BadOp {
-                op: 0,
-                what: format!(
-                    "write_tensor: rows {rows:?} of {} / input of {} values for width {}",
-                    t.max_rows,
-                    data.len(),
-                    t.width
-                ),
-            });
-        }
+        check_rows("write_tensor", t.width, t.max_rows, &rows, data.len())?;
         let mut g = t.buffer.cpu_access(
             rows.start * t.width * 4..rows.end * t.width * 4,
             Access::Write,

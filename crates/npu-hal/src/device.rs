@@ -287,6 +287,26 @@ pub struct Probe {
     pub usable: Result<(), String>,
 }
 
+/// Checks `rows` of a `[max_rows, width]` tensor against `values` host values, for
+/// [`Device::read_tensor`] (`call` names it in the error) and [`Device::write_tensor`].
+pub(crate) fn check_rows(
+    call: &str,
+    width: usize,
+    max_rows: usize,
+    rows: &Range<usize>,
+    values: usize,
+) -> Result<(), Error> {
+    if rows.start > rows.end || rows.end > max_rows || values != rows.len() * width {
+        return Err(Error::BadOp {
+            op: 0,
+            what: format!(
+                "{call}: rows {rows:?} of {max_rows} / {values} host values for width {width}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A tensor's shape as the checks see it.
 #[derive(Clone, Copy)]
 struct TensorShape {

@@ -54,7 +54,7 @@ use self::shaders::{Kernel, KvFormat, LinearInput, Pipelines, WeightFormat};
 use crate::Error;
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
-    TensorId, Weight, WeightId, check_op,
+    TensorId, Weight, WeightId, check_op, check_rows,
 };
 
 /// Which Vulkan adapter [`VulkanBackend`] opens.
@@ -308,6 +308,8 @@ pub struct VulkanNpu {
     rope_tables: Vec<((usize, u32), GpuBuffer, f32)>,
     kv: Option<KvMirror>,
     programs: Vec<Program>,
+    /// The step values being written, kept so a step allocates nothing.
+    step_words: Vec<u32>,
     program_pool: vk::CommandPool,
     transfer: Mutex<Transfer>,
     queue: Mutex<Queue>,
@@ -405,6 +407,7 @@ impl VulkanNpu {
             rope_tables: Vec::new(),
             kv: None,
             programs: Vec::new(),
+            step_words: Vec::new(),
             program_pool,
             transfer: Mutex::new(Transfer {
                 pool: transfer_pool,
@@ -904,21 +907,21 @@ impl VulkanNpu {
             input: kind,
             accumulate: accumulate.is_some(),
         };
-        let set = self.descriptor_set(p, kernel, &bufs)?;
-        p.dispatches.push(Dispatch {
+        self.push_dispatch(
+            p,
             kernel,
-            grid: Grid::Linear {
+            Grid::Linear {
                 format,
                 rows: r,
                 selected,
                 input: kind,
                 accumulate: accumulate.is_some(),
             },
-            set,
             push,
+            &bufs,
             reads,
-            writes: vec![Resource::Tensor(y.0)],
-        });
+            vec![Resource::Tensor(y.0)],
+        )?;
         Ok(())
     }
 
@@ -942,15 +945,15 @@ impl VulkanNpu {
                 let kernel = Kernel::Embed { format: *format };
                 let push = push_words(&[tw(self, out), *rows as u32]);
                 let bufs = [step, codes.raw, scales.raw, splice, t(self, out)];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
+                self.push_dispatch(
+                    p,
                     kernel,
-                    grid: Grid::PerRow,
-                    set,
+                    Grid::PerRow,
                     push,
-                    reads: vec![],
-                    writes: vec![Resource::Tensor(out.0)],
-                });
+                    &bufs,
+                    vec![],
+                    vec![Resource::Tensor(out.0)],
+                )?;
             }
             Op::RmsNorm {
                 x,
@@ -964,15 +967,15 @@ impl VulkanNpu {
                 let kernel = Kernel::RmsNorm;
                 let push = push_words(&[tw(self, x), eps.to_bits()]);
                 let bufs = [step, t(self, x), data.raw, t(self, out)];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
+                self.push_dispatch(
+                    p,
                     kernel,
-                    grid: Grid::PerRow,
-                    set,
+                    Grid::PerRow,
                     push,
-                    reads: vec![Resource::Tensor(x.0)],
-                    writes: vec![Resource::Tensor(out.0)],
-                });
+                    &bufs,
+                    vec![Resource::Tensor(x.0)],
+                    vec![Resource::Tensor(out.0)],
+                )?;
             }
             Op::Linear { .. } => self.add_linear(p, op, FusedInput::Plain, None)?,
             Op::Rope {
@@ -992,52 +995,52 @@ impl VulkanNpu {
                     theta_scale.to_bits(),
                 ]);
                 let bufs = [step, t(self, x), freqs.raw];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
+                self.push_dispatch(
+                    p,
                     kernel,
-                    grid: Grid::Elements {
+                    Grid::Elements {
                         width: tw(self, x) / 2,
                         per: 64,
                     },
-                    set,
                     push,
-                    reads: vec![Resource::Tensor(x.0)],
-                    writes: vec![Resource::Tensor(x.0)],
-                });
+                    &bufs,
+                    vec![Resource::Tensor(x.0)],
+                    vec![Resource::Tensor(x.0)],
+                )?;
             }
             Op::SwiGlu { gate, up, out, .. } => {
                 let kernel = Kernel::SwiGlu;
                 let push = push_words(&[tw(self, out)]);
                 let bufs = [step, t(self, out), t(self, gate), t(self, up)];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
+                self.push_dispatch(
+                    p,
                     kernel,
-                    grid: Grid::Elements {
+                    Grid::Elements {
                         width: tw(self, out),
                         per: 256,
                     },
-                    set,
                     push,
-                    reads: vec![Resource::Tensor(gate.0), Resource::Tensor(up.0)],
-                    writes: vec![Resource::Tensor(out.0)],
-                });
+                    &bufs,
+                    vec![Resource::Tensor(gate.0), Resource::Tensor(up.0)],
+                    vec![Resource::Tensor(out.0)],
+                )?;
             }
             Op::Add { acc, x } => {
                 let kernel = Kernel::Add;
                 let push = push_words(&[tw(self, acc)]);
                 let bufs = [step, t(self, acc), t(self, x), t(self, x)];
-                let set = self.descriptor_set(p, kernel, &bufs)?;
-                p.dispatches.push(Dispatch {
+                self.push_dispatch(
+                    p,
                     kernel,
-                    grid: Grid::Elements {
+                    Grid::Elements {
                         width: tw(self, acc),
                         per: 256,
                     },
-                    set,
                     push,
-                    reads: vec![Resource::Tensor(acc.0), Resource::Tensor(x.0)],
-                    writes: vec![Resource::Tensor(acc.0)],
-                });
+                    &bufs,
+                    vec![Resource::Tensor(acc.0), Resource::Tensor(x.0)],
+                    vec![Resource::Tensor(acc.0)],
+                )?;
             }
             Op::Attention { .. } => self.add_attention(p, op, None, None)?,
         }
@@ -1126,18 +1129,18 @@ impl VulkanNpu {
             rope: if k_rope.is_some() { rope } else { 0 },
         };
         let bufs = [step, t(self, k), t(self, v), pages, freqs];
-        let set = self.descriptor_set(p, kernel, &bufs)?;
-        p.dispatches.push(Dispatch {
+        self.push_dispatch(
+            p,
             kernel,
-            grid: Grid::Heads {
+            Grid::Heads {
                 heads: l.kv_heads as u32,
                 depth: 2,
             },
-            set,
             push,
-            reads: vec![Resource::Tensor(k.0), Resource::Tensor(v.0)],
-            writes: vec![Resource::Kv],
-        });
+            &bufs,
+            vec![Resource::Tensor(k.0), Resource::Tensor(v.0)],
+            vec![Resource::Kv],
+        )?;
         // The widest workgroup whose partial outputs fit in shared memory.
         let hd = l.head_dim as u32;
         let shared = |wg: u32| (wg * (hd + 1) + hd + 2 * wg) * 4;
@@ -1173,7 +1176,6 @@ impl VulkanNpu {
             t(self, v),
             freqs,
         ];
-        let set = self.descriptor_set(p, kernel, &bufs)?;
         // Earlier positions' pages come from earlier submissions (ordered by the barrier that
         // opens every command buffer); this batch's come from k and v when `in_batch`.
         let reads = if in_batch {
@@ -1197,16 +1199,35 @@ impl VulkanNpu {
             rope_k: false,
             in_batch: false,
         };
+        let grid = Grid::Attention {
+            heads: q_heads as u32,
+            paged,
+        };
+        let writes = vec![Resource::Tensor(out.0)];
+        self.push_dispatch(p, kernel, grid, push, &bufs, reads, writes)?;
+        Ok(())
+    }
+
+    /// Adds one dispatch of `kernel` to `p`, with a descriptor set binding `buffers` in order.
+    #[allow(clippy::too_many_arguments)]
+    fn push_dispatch(
+        &mut self,
+        p: &mut Program,
+        kernel: Kernel,
+        grid: Grid,
+        push: [u8; PUSH_BYTES as usize],
+        buffers: &[vk::Buffer],
+        reads: Vec<Resource>,
+        writes: Vec<Resource>,
+    ) -> Result<(), Error> {
+        let set = self.descriptor_set(p, kernel, buffers)?;
         p.dispatches.push(Dispatch {
             kernel,
-            grid: Grid::Attention {
-                heads: q_heads as u32,
-                paged,
-            },
+            grid,
             set,
             push,
             reads,
-            writes: vec![Resource::Tensor(out.0)],
+            writes,
         });
         Ok(())
     }
@@ -1440,7 +1461,12 @@ impl VulkanNpu {
 
     /// Writes the step values of `batch` (and its spliced rows) into program `pi`'s buffers.
     fn write_step(&mut self, pi: usize, b: &Batch<'_>, kv: Option<&KvCache>) -> Result<(), Error> {
-        let p = &mut self.programs[pi];
+        let VulkanNpu {
+            programs,
+            step_words: words,
+            ..
+        } = self;
+        let p = &mut programs[pi];
         let n = b.tokens.len();
         if n > p.rows {
             return Err(Error::BadOp {
@@ -1468,7 +1494,8 @@ impl VulkanNpu {
                 .record(std::mem::size_of_val(e.data));
             (splice_start, splice_end) = (e.rows.start as u32, e.rows.end as u32);
         }
-        let mut words = vec![0u32; STEP_HEADER];
+        words.clear();
+        words.resize(STEP_HEADER, 0);
         let tokens_at = STEP_HEADER;
         let slots_at = tokens_at + p.rows;
         let table_at = slots_at + p.rows;
@@ -1503,7 +1530,7 @@ impl VulkanNpu {
             }
             words.extend_from_slice(table);
         }
-        p.step.write(0, bytemuck::cast_slice(&words))
+        p.step.write(0, bytemuck::cast_slice(words))
     }
 }
 
@@ -1982,17 +2009,7 @@ impl Device for VulkanNpu {
         out: &mut [f32],
     ) -> Result<(), Error> {
         let t = self.tensor(tensor, 0)?;
-        if rows.start > rows.end || rows.end > t.max_rows || out.len() != rows.len() * t.width {
-            return Err(Error::BadOp {
-                op: 0,
-                what: format!(
-                    "read_tensor: rows {rows:?} of {} / output of {} values for width {}",
-                    t.max_rows,
-                    out.len(),
-                    t.width
-                ),
-            });
-        }
+        check_rows("read_tensor", t.width, t.max_rows, &rows, out.len())?;
         self.wait_all()?;
         self.collect_times()?;
         let started = std::time::Instant::now();
@@ -2007,17 +2024,7 @@ impl Device for VulkanNpu {
         data: &[f32],
     ) -> Result<(), Error> {
         let t = self.tensor(tensor, 0)?;
-        if rows.start > rows.end || rows.end > t.max_rows || data.len() != rows.len() * t.width {
-            return Err(Error::BadOp {
-                op: 0,
-                what: format!(
-                    "write_tensor: rows {rows:?} of {} / input of {} values for width {}",
-                    t.max_rows,
-                    data.len(),
-                    t.width
-                ),
-            });
-        }
+        check_rows("write_tensor", t.width, t.max_rows, &rows, data.len())?;
         self.wait_all()?;
         let offset = rows.start * t.width * 4;
         let bytes: &[u8] = bytemuck::cast_slice(data);

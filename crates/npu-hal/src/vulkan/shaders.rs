@@ -24,6 +24,7 @@ const GEMM: &str = include_str!("shaders/linear_gemm.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
 const ROPE: &str = include_str!("shaders/rope.wgsl");
+const ROPE_ANGLE: &str = include_str!("shaders/rope_angle.wgsl");
 const KV_COMMON: &str = include_str!("shaders/kv_common.wgsl");
 const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
@@ -210,11 +211,15 @@ impl Kernel {
                 s.push_str("const OP: u32 = 1u;\n");
                 s.push_str(ELEMENTWISE);
             }
-            Kernel::Rope => s.push_str(ROPE),
+            Kernel::Rope => {
+                s.push_str(ROPE_ANGLE);
+                s.push_str(ROPE);
+            }
             Kernel::KvWrite { kv, rope } => {
                 s.push_str(&format!("const ROPE: u32 = {rope}u;\n"));
                 s.push_str("@group(0) @binding(4) var<storage, read> inv_freq: array<f32>;\n");
                 kv_constants(&mut s, kv);
+                s.push_str(ROPE_ANGLE);
                 s.push_str(KV_COMMON);
                 if let KvFormat::Mx(_) = kv {
                     s.push_str(
@@ -273,6 +278,7 @@ fn attention(
         u32::from(in_batch)
     ));
     kv_constants(s, kv);
+    s.push_str(ROPE_ANGLE);
     s.push_str(KV_COMMON);
     if let KvFormat::Mx(_) = kv {
         s.push_str(

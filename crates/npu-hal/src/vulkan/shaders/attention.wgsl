@@ -37,9 +37,7 @@ fn as_stored(x: vec2<f32>) -> vec2<f32> {
     if (KV_DTYPE == 1u) {
         return unpack2x16float(pack2x16float(x));
     } else if (KV_DTYPE == 2u) {
-        let lo = (bitcast<u32>(x.x) + 0x7FFFu + ((bitcast<u32>(x.x) >> 16u) & 1u)) & 0xFFFF0000u;
-        let hi = (bitcast<u32>(x.y) + 0x7FFFu + ((bitcast<u32>(x.y) >> 16u) & 1u)) & 0xFFFF0000u;
-        return vec2<f32>(bitcast<f32>(lo), bitcast<f32>(hi));
+        return vec2<f32>(bitcast<f32>(bf16_bits(x.x) << 16u), bitcast<f32>(bf16_bits(x.y) << 16u));
     }
     return x;
 }

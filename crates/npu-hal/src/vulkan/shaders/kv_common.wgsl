@@ -31,28 +31,15 @@ fn kv_page(block: u32, is_v: u32, head: u32) -> u32 {
         + ((pc.layer * 2u + is_v) * pc.kv_heads + head) * pc.block_tokens * kv_vector_bytes();
 }
 
-// The rotary angle of pair i at position `pos` as (cos, sin), as rope.wgsl computes it: ROPE 1
-// multiplies the position by theta_scale i times (interleaved pairs), ROPE 2 takes
-// pos * inv_freq[i] (half-split pairs); the angle is reduced to [-pi, pi] in two steps.
+// The rotary angle of pair i at position `pos` for this op's pairing (rope_angle.wgsl).
 fn rope_cs(pos: u32, i: u32) -> vec2<f32> {
-    var angle: f32;
-    if (ROPE == 1u) {
-        // theta_scale^i by squaring, a fixed eight steps (i < 256), so no loop runs a
-        // lane-dependent number of times: llvmpipe (Mesa 22.3) miscomputes such a loop when
-        // every lane of a SIMD batch takes it. Within an ulp or two of the CPU's recurrence.
-        var p = 1.0;
-        var b = pc.theta_scale;
-        for (var bit = 0u; bit < 8u; bit++) {
-            p = select(p, p * b, ((i >> bit) & 1u) != 0u);
-            b = b * b;
-        }
-        angle = f32(pos) * p;
-    } else {
-        angle = f32(pos) * inv_freq[i];
-    }
-    let t = round(angle * 0.15915494309189535);
-    let r = (angle - t * 6.28125) - t * 0.0019353071795864769;
-    return vec2<f32>(cos(r), sin(r));
+    return rope_angle_cs(f32(pos), i, ROPE == 1u, pc.theta_scale);
+}
+
+// A value rounded to bf16 (to nearest, ties to even), as its 16 bits.
+fn bf16_bits(x: f32) -> u32 {
+    let u = bitcast<u32>(x);
+    return (u + 0x7FFFu + ((u >> 16u) & 1u)) >> 16u;
 }
 
 // The two elements rotary pair i joins: (2i, 2i + 1) interleaved, (i, i + half) half-split.

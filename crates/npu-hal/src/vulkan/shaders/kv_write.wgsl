@@ -37,11 +37,6 @@ fn src(is_v: u32, base: u32, d: u32, pos: u32) -> f32 {
     return x0 * cs.y + x1 * cs.x;
 }
 
-fn bf16_bits(x: f32) -> u32 {
-    let u = bitcast<u32>(x);
-    return (u + 0x7FFFu + ((u >> 16u) & 1u)) >> 16u;
-}
-
 fn floor_log2(a: f32) -> i32 {
     // Only called on normal values and zero (zero gives -127).
     return i32((bitcast<u32>(a) >> 23u) & 0xFFu) - 127;
