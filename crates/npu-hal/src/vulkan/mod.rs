@@ -901,7 +901,7 @@ impl VulkanNpu {
         }
         let push = push_words(&[r, cols, u32::from(selected), eps.to_bits()]);
         let bufs = [step, codes.raw, scales.raw, x_buf, tensor(y), aux];
-        // Every linear kernel shares one binding layout: the set works for all of them.
+        // Every linear kernel has one binding layout: the set serves whichever the shape picks.
         let kernel = Kernel::Gemm {
             format,
             input: kind,
@@ -1238,8 +1238,9 @@ impl VulkanNpu {
         kernel: Kernel,
         buffers: &[vk::Buffer],
     ) -> Result<vk::DescriptorSet, Error> {
-        let pipeline = self.pipelines.get(&self.ctx, kernel)?;
-        let layouts = [pipeline.set_layout];
+        // Only the layout: the pipeline itself is built when a recording first uses it.
+        let (set_layout, _) = self.pipelines.layouts(&self.ctx, kernel.bindings())?;
+        let layouts = [set_layout];
         let alloc = vk::DescriptorSetAllocateInfo::default()
             .descriptor_pool(p.pool)
             .set_layouts(&layouts);

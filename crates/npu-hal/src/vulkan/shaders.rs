@@ -367,12 +367,11 @@ pub(crate) fn compile(source: &str) -> Result<Vec<u32>, Error> {
     })
 }
 
-/// A compute pipeline and the layouts it was made with.
+/// A compute pipeline and the layout it was made with.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Pipeline {
     pub(crate) pipeline: vk::Pipeline,
     pub(crate) layout: vk::PipelineLayout,
-    pub(crate) set_layout: vk::DescriptorSetLayout,
 }
 
 /// Pipelines by variant, built on first use, and one set layout per binding count.
@@ -387,7 +386,7 @@ impl Pipelines {
         if let Some(p) = self.built.get(&kernel) {
             return Ok(*p);
         }
-        let (set_layout, layout) = self.layouts(ctx, kernel.bindings())?;
+        let (_, layout) = self.layouts(ctx, kernel.bindings())?;
         let spirv = compile(&kernel.source())?;
         let info = vk::ShaderModuleCreateInfo::default().code(&spirv);
         // SAFETY: valid SPIR-V from naga's writer, on a live device.
@@ -409,16 +408,13 @@ impl Pipelines {
         // SAFETY: the module is not needed once the pipeline exists (or failed).
         unsafe { ctx.device.destroy_shader_module(module, None) };
         let pipeline = made.map_err(|(_, r)| vk_err("vkCreateComputePipelines")(r))?[0];
-        let p = Pipeline {
-            pipeline,
-            layout,
-            set_layout,
-        };
+        let p = Pipeline { pipeline, layout };
         self.built.insert(kernel, p);
         Ok(p)
     }
 
-    fn layouts(
+    /// The descriptor-set and pipeline layouts of kernels with `bindings` storage buffers.
+    pub(crate) fn layouts(
         &mut self,
         ctx: &Context,
         bindings: u32,
