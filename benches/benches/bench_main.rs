@@ -626,9 +626,8 @@ mod isp {
     /// The WGSL pass on the machine's Vulkan adapter (lavapipe here: the GPU emulated on the
     /// CPU's cores), the frame's unified buffer imported as-is, one submit and wait per frame.
     fn gpu(c: &mut Criterion, frame: &isp_v4l2::Frame) {
-        use std::sync::Arc;
-        use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
-        use wgpu::util::DeviceExt;
+        use isp_v4l2::gpu::{Elem, GpuIsp};
+        use uvm_alloc::vulkan::{ImportCache, open_wgpu_device};
         let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
             backends: wgpu::Backends::VULKAN,
             ..wgpu::InstanceDescriptor::new_without_display_handle()
@@ -638,30 +637,10 @@ mod isp {
             return;
         };
         let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("isp"),
-            source: wgpu::ShaderSource::Wgsl(isp_v4l2::gpu::ISP_WGSL.into()),
-        });
-        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("isp"),
-            layout: None,
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: Default::default(),
-            cache: None,
-        });
+        let imports = ImportCache::new(&device, caps, 8);
         // SAFETY: the pattern source wrote the frame under a guard it dropped; the device only
         // reads it, and nothing on the CPU touches it again.
-        let frame_gpu = unsafe {
-            import_wgpu_buffer(
-                &device,
-                &caps,
-                Arc::clone(&frame.buffer),
-                wgpu::BufferUsages::STORAGE,
-                None,
-            )
-        }
-        .unwrap();
+        let frame_gpu = unsafe { imports.get(&frame.buffer) }.unwrap();
         let allocator = uvm_alloc::Allocator::new(uvm_alloc::AllocatorDesc {
             backends: caps.importable_backends(),
             ..Default::default()
@@ -678,47 +657,14 @@ mod isp {
                 height: size,
                 ..Default::default()
             };
-            let params = isp_v4l2::gpu::GpuParams::new(&frame.desc, &p).unwrap();
-            let out = Arc::new(allocator.allocate(params.output_bytes() as usize).unwrap());
+            let mut isp = GpuIsp::new(&device, p, Elem::F32);
+            let out = std::sync::Arc::new(allocator.allocate(isp.output_bytes()).unwrap());
             // SAFETY: the output is never read on the CPU (the bench times the pass only).
-            let out_gpu = unsafe {
-                import_wgpu_buffer(&device, &caps, out, wgpu::BufferUsages::STORAGE, None)
-            }
-            .unwrap();
-            let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: None,
-                contents: bytemuck::bytes_of(&params),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-            let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &pipeline.get_bind_group_layout(0),
-                entries: &[
-                    wgpu::BindGroupEntry {
-                        binding: 0,
-                        resource: frame_gpu.buffer.as_entire_binding(),
-                    },
-                    wgpu::BindGroupEntry {
-                        binding: 1,
-                        resource: out_gpu.buffer.as_entire_binding(),
-                    },
-                    wgpu::BindGroupEntry {
-                        binding: 2,
-                        resource: uniform.as_entire_binding(),
-                    },
-                ],
-            });
+            let out_gpu = unsafe { imports.get(&out) }.unwrap();
             group.bench_function(BenchmarkId::new("nv12-1080p-to-f32", size), |b| {
                 b.iter(|| {
-                    let mut encoder = device.create_command_encoder(&Default::default());
-                    {
-                        let mut pass = encoder.begin_compute_pass(&Default::default());
-                        pass.set_pipeline(&pipeline);
-                        pass.set_bind_group(0, &bind, &[]);
-                        let (x, y, z) = params.workgroups();
-                        pass.dispatch_workgroups(x, y, z);
-                    }
-                    queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
+                    isp.submit(&queue, &frame.desc, &frame_gpu, &out_gpu)
+                        .unwrap();
                     device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
                 })
             });

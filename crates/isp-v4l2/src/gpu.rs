@@ -240,3 +240,171 @@ impl GpuParams {
         3 * u64::from(self.out_w) * u64::from(self.out_h) * self.elem().size()
     }
 }
+
+/// The pass on a wgpu device (feature `wgpu`): its pipeline, its uniform block and its bind
+/// groups, made once and reused, so recording a frame costs one dispatch.
+///
+/// Buffers come in as `wgpu::Buffer`s: the caller imports the frame's unified buffer and the
+/// output tensor (through one [`uvm_alloc::vulkan::ImportCache`] per device, so a pooled
+/// buffer is imported once and every stage on the device sees the same import). The chain, the
+/// benches and the tests all run the pass through this type.
+#[cfg(feature = "wgpu")]
+pub struct GpuIsp {
+    device: wgpu::Device,
+    pipeline: wgpu::ComputePipeline,
+    params: Preprocess,
+    elem: Elem,
+    /// The uniform block for the frame shape it was made for.
+    uniform: Option<(FrameDesc, GpuParams, wgpu::Buffer)>,
+    /// Bind groups by (frame, output) buffer, newest last; cleared when the uniform changes.
+    binds: std::collections::VecDeque<(wgpu::Buffer, wgpu::Buffer, wgpu::BindGroup)>,
+}
+
+/// Bind groups a [`GpuIsp`] keeps: enough for every pairing of a frame pool with a ring.
+#[cfg(feature = "wgpu")]
+const BIND_GROUPS_KEPT: usize = 64;
+
+#[cfg(feature = "wgpu")]
+impl std::fmt::Debug for GpuIsp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuIsp")
+            .field("params", &self.params)
+            .field("elem", &self.elem)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "wgpu")]
+impl GpuIsp {
+    /// The pass for `params`, writing `elem`, compiled on `device`.
+    pub fn new(device: &wgpu::Device, params: Preprocess, elem: Elem) -> GpuIsp {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("isp"),
+            source: wgpu::ShaderSource::Wgsl(ISP_WGSL.into()),
+        });
+        let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some("isp"),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        });
+        GpuIsp {
+            device: device.clone(),
+            pipeline,
+            params,
+            elem,
+            uniform: None,
+            binds: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The preprocessing it runs.
+    pub fn params(&self) -> &Preprocess {
+        &self.params
+    }
+
+    /// Bytes of the tensor it writes (`3 x height x width` of its element type).
+    pub fn output_bytes(&self) -> usize {
+        3 * self.params.width * self.params.height * self.elem.size() as usize
+    }
+
+    /// Records the pass over a frame shaped `desc` in `input`, writing `output`, into
+    /// `encoder`. The caller submits it (with [`uvm_alloc::vulkan::host_read_barrier`] when
+    /// the CPU reads the output).
+    ///
+    /// # Errors
+    /// [`Error::BadFrame`] when `desc` and the parameters do not fit the pass, or a buffer is
+    /// smaller than the frame or the tensor.
+    pub fn record(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        desc: &FrameDesc,
+        input: &wgpu::Buffer,
+        output: &wgpu::Buffer,
+    ) -> Result<(), Error> {
+        use wgpu::util::DeviceExt;
+        let short = |what: &str, have: u64, need: u64| Error::BadFrame {
+            what: format!("the {what} buffer holds {have} bytes; the pass needs {need}"),
+        };
+        if input.size() < desc.byte_len() as u64 {
+            return Err(short("frame", input.size(), desc.byte_len() as u64));
+        }
+        if output.size() < self.output_bytes() as u64 {
+            return Err(short("output", output.size(), self.output_bytes() as u64));
+        }
+        if self.uniform.as_ref().is_none_or(|(d, ..)| d != desc) {
+            let p = GpuParams::with_elem(desc, &self.params, self.elem)?;
+            let buffer = self
+                .device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("isp params"),
+                    contents: bytemuck::bytes_of(&p),
+                    usage: wgpu::BufferUsages::UNIFORM,
+                });
+            self.uniform = Some((*desc, p, buffer));
+            self.binds.clear();
+        }
+        let Some((_, params, uniform)) = &self.uniform else {
+            unreachable!("set above")
+        };
+        let at = match self
+            .binds
+            .iter()
+            .position(|(i, o, _)| i == input && o == output)
+        {
+            Some(at) => at,
+            None => {
+                let bind = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some("isp"),
+                    layout: &self.pipeline.get_bind_group_layout(0),
+                    entries: &[
+                        wgpu::BindGroupEntry {
+                            binding: 0,
+                            resource: input.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 1,
+                            resource: output.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 2,
+                            resource: uniform.as_entire_binding(),
+                        },
+                    ],
+                });
+                if self.binds.len() == BIND_GROUPS_KEPT {
+                    self.binds.pop_front();
+                }
+                self.binds.push_back((input.clone(), output.clone(), bind));
+                self.binds.len() - 1
+            }
+        };
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("isp"),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.binds[at].2, &[]);
+        let (x, y, z) = params.workgroups();
+        pass.dispatch_workgroups(x, y, z);
+        Ok(())
+    }
+
+    /// Records the pass and submits it on `queue` with the barrier that makes its writes
+    /// visible to host reads; returns the submission, which the caller waits for (a device
+    /// poll or a timeline value) before the CPU reads `output`.
+    pub fn submit(
+        &mut self,
+        queue: &wgpu::Queue,
+        desc: &FrameDesc,
+        input: &wgpu::Buffer,
+        output: &wgpu::Buffer,
+    ) -> Result<wgpu::SubmissionIndex, Error> {
+        let mut encoder = self.device.create_command_encoder(&Default::default());
+        self.record(&mut encoder, desc, input, output)?;
+        let barrier = uvm_alloc::vulkan::host_read_barrier(&self.device).map_err(Error::Memory)?;
+        Ok(queue.submit([encoder.finish(), barrier]))
+    }
+}

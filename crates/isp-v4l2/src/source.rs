@@ -14,6 +14,7 @@ use uvm_alloc::{Access, Allocator, AllocatorDesc, CopyLedger, StageCopies, Unifi
 
 use crate::Error;
 use crate::format::{FrameDesc, PixelFormat};
+use crate::pool::{DEFAULT_POOL_FRAMES, FramePool, Lease};
 
 /// One captured or decoded frame.
 #[derive(Clone, Debug)]
@@ -26,6 +27,9 @@ pub struct Frame {
     pub sequence: u64,
     /// The source timeline's value once this frame is ready (`sequence + 1`).
     pub ready: u64,
+    /// The frame's claim on `buffer`: the source refills the buffer only once every clone of
+    /// the frame is gone and the device work registered here has finished.
+    pub lease: Lease,
 }
 
 /// How fast a file or pattern source delivers frames.
@@ -53,6 +57,12 @@ pub trait FrameSource: Send {
     fn dropped(&self) -> u64 {
         0
     }
+}
+
+/// A pool of [`DEFAULT_POOL_FRAMES`] buffers of `bytes` from the default allocator.
+fn default_pool(bytes: usize) -> Result<FramePool, Error> {
+    let allocator = Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?;
+    Ok(FramePool::new(allocator, bytes, DEFAULT_POOL_FRAMES))
 }
 
 /// Shared bookkeeping of paced, timeline-signalling sources.
@@ -97,16 +107,21 @@ impl Clock {
     }
 
     /// Numbers, paces and announces a filled frame: the one way every source emits a frame.
-    fn deliver(&mut self, buffer: UnifiedBuffer, desc: FrameDesc) -> Result<Frame, Error> {
+    fn deliver(
+        &mut self,
+        (buffer, lease): (Arc<UnifiedBuffer>, Lease),
+        desc: FrameDesc,
+    ) -> Result<Frame, Error> {
         let sequence = self.next;
         self.next += 1;
         let ready = self.publish(sequence)?;
         Ok(Frame {
-            buffer: Arc::new(buffer),
+            buffer,
             desc,
             timestamp: self.timestamp(sequence),
             sequence,
             ready,
+            lease,
         })
     }
 }
@@ -115,7 +130,7 @@ impl Clock {
 #[derive(Debug)]
 pub struct PatternSource {
     desc: FrameDesc,
-    allocator: Allocator,
+    pool: FramePool,
     clock: Clock,
     frames: Option<u64>,
 }
@@ -124,7 +139,7 @@ impl PatternSource {
     /// Allocates frames with `allocator` instead of the default preference (for example only
     /// the backends a GPU stage can import).
     pub fn with_allocator(mut self, allocator: Allocator) -> Self {
-        self.allocator = allocator;
+        self.pool = FramePool::new(allocator, self.desc.byte_len(), DEFAULT_POOL_FRAMES);
         self
     }
 
@@ -148,9 +163,10 @@ impl PatternSource {
                 what: format!("frame rate {rate} must be positive"),
             });
         }
+        let desc = FrameDesc::new(width, height, format)?;
         Ok(PatternSource {
-            desc: FrameDesc::new(width, height, format)?,
-            allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
+            desc,
+            pool: default_pool(desc.byte_len())?,
             clock: Clock::new(pacing, rate),
             frames,
         })
@@ -195,10 +211,7 @@ impl FrameSource for PatternSource {
             return Ok(None);
         }
         let d = self.desc;
-        let buffer = self
-            .allocator
-            .allocate(d.byte_len())
-            .map_err(Error::Memory)?;
+        let (buffer, lease) = self.pool.take()?;
         {
             let mut w = buffer
                 .cpu_access(0..d.byte_len(), Access::Write)
@@ -206,7 +219,7 @@ impl FrameSource for PatternSource {
             let bytes = w.bytes_mut().map_err(Error::Memory)?;
             write_pattern(&d, bytes, self.clock.next);
         }
-        Ok(Some(self.clock.deliver(buffer, d)?))
+        Ok(Some(self.clock.deliver((buffer, lease), d)?))
     }
 }
 
@@ -303,7 +316,7 @@ pub struct Y4mSource<R: BufRead + Send> {
     /// Bytes consumed when the last whole frame ended.
     frame_end: u64,
     desc: FrameDesc,
-    allocator: Allocator,
+    pool: FramePool,
     clock: Clock,
     ledger: Arc<StageCopies>,
 }
@@ -312,7 +325,7 @@ impl Y4mSource<std::io::BufReader<std::fs::File>> {
     /// Allocates frames with `allocator` instead of the default preference (for example only
     /// the backends a GPU stage can import).
     pub fn with_allocator(mut self, allocator: Allocator) -> Self {
-        self.allocator = allocator;
+        self.pool = FramePool::new(allocator, self.desc.byte_len(), DEFAULT_POOL_FRAMES);
         self
     }
 
@@ -365,7 +378,7 @@ impl<R: BufRead + Send> Y4mSource<R> {
             consumed,
             frame_end,
             desc,
-            allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
+            pool: default_pool(desc.byte_len())?,
             clock: Clock::new(pacing, rate),
             ledger: CopyLedger::global().stage("y4m-read"),
         })
@@ -438,10 +451,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
         };
         self.frame_end = self.consumed.load(std::sync::atomic::Ordering::Relaxed);
         let d = self.desc;
-        let buffer = self
-            .allocator
-            .allocate(d.byte_len())
-            .map_err(Error::Memory)?;
+        let (buffer, lease) = self.pool.take()?;
         {
             let mut w = buffer
                 .cpu_access(0..d.byte_len(), Access::Write)
@@ -466,7 +476,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
                     .map_err(Error::Memory)?;
             }
         }
-        Ok(Some(self.clock.deliver(buffer, d)?))
+        Ok(Some(self.clock.deliver((buffer, lease), d)?))
     }
 }
 
@@ -476,7 +486,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
 pub struct ImageSource {
     paths: Vec<std::path::PathBuf>,
     desc: Option<FrameDesc>,
-    allocator: Allocator,
+    pool: FramePool,
     clock: Clock,
     ledger: Arc<StageCopies>,
 }
@@ -485,7 +495,7 @@ impl ImageSource {
     /// Allocates frames with `allocator` instead of the default preference (for example only
     /// the backends a GPU stage can import).
     pub fn with_allocator(mut self, allocator: Allocator) -> Self {
-        self.allocator = allocator;
+        self.pool = FramePool::new(allocator, self.desc().byte_len(), DEFAULT_POOL_FRAMES);
         self
     }
 
@@ -526,7 +536,7 @@ impl ImageSource {
         let mut source = ImageSource {
             paths,
             desc: None,
-            allocator: Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?,
+            pool: default_pool(0)?,
             clock: Clock::new(pacing, rate),
             ledger: CopyLedger::global().stage("image-decode"),
         };
@@ -537,6 +547,7 @@ impl ImageSource {
             first.height() as usize,
             PixelFormat::Rgb24,
         )?);
+        source.pool = default_pool(source.desc().byte_len())?;
         Ok(source)
     }
 
@@ -605,10 +616,7 @@ impl FrameSource for ImageSource {
                 ),
             });
         }
-        let buffer = self
-            .allocator
-            .allocate(d.byte_len())
-            .map_err(Error::Memory)?;
+        let (buffer, lease) = self.pool.take()?;
         {
             let mut w = buffer
                 .cpu_access(0..d.byte_len(), Access::Write)
@@ -618,7 +626,7 @@ impl FrameSource for ImageSource {
                 .copy(w.bytes_mut().map_err(Error::Memory)?, img.as_raw())
                 .map_err(Error::Memory)?;
         }
-        Ok(Some(self.clock.deliver(buffer, d)?))
+        Ok(Some(self.clock.deliver((buffer, lease), d)?))
     }
 }
 

@@ -36,6 +36,7 @@ use uvm_alloc::UnifiedBuffer;
 
 use crate::Error;
 use crate::format::{FrameDesc, PixelFormat};
+use crate::pool::Lease;
 use crate::source::{Frame, FrameSource};
 use crate::sys::ioctl::{self, FrameSize, Memory};
 use crate::sys::uapi;
@@ -241,6 +242,9 @@ impl Default for V4l2Config {
 #[derive(Debug)]
 struct Slot {
     buffer: Arc<UnifiedBuffer>,
+    /// Held by the frames delivered from this buffer; the buffer goes back to the driver once
+    /// it is free (no frame holds it, the device work reading it has finished).
+    lease: Lease,
     queued: bool,
 }
 
@@ -469,6 +473,7 @@ impl V4l2Source {
             };
             self.slots.push(Slot {
                 buffer: Arc::new(buffer),
+                lease: Lease::new(),
                 queued: false,
             });
         }
@@ -502,7 +507,7 @@ impl V4l2Source {
     /// Gives back every buffer no frame refers to any more; whether any is with the driver.
     fn requeue_free(&mut self) -> Result<bool, Error> {
         for i in 0..self.slots.len() {
-            if !self.slots[i].queued && Arc::strong_count(&self.slots[i].buffer) == 1 {
+            if !self.slots[i].queued && self.slots[i].lease.is_free() {
                 self.queue(i)?;
             }
         }
@@ -629,6 +634,7 @@ impl FrameSource for V4l2Source {
                 timestamp: stamp.saturating_sub(first),
                 sequence,
                 ready,
+                lease: self.slots[index].lease.clone(),
             }));
         }
     }

@@ -8,12 +8,11 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use isp_v4l2::gpu::{Elem, GpuParams, ISP_WGSL};
+use isp_v4l2::gpu::{Elem, GpuIsp};
 use isp_v4l2::isp::{Crop, Layout, Matrix, Preprocess, Range, Resize, preprocess};
 use isp_v4l2::{FrameDesc, PixelFormat};
-use uvm_alloc::vulkan::{host_read_barrier, import_wgpu_buffer, open_wgpu_device};
+use uvm_alloc::vulkan::{ImportCache, open_wgpu_device};
 use uvm_alloc::{Access, Allocator, AllocatorDesc};
-use wgpu::util::DeviceExt;
 
 /// One 8-bit step after normalisation is 1 / (255 * std) ~ 0.017; float contraction and
 /// summation-order differences between the CPU and the shader are ~1e-5. f16 output may also
@@ -42,18 +41,7 @@ fn adapter() -> Option<wgpu::Adapter> {
 fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
     let Some(adapter) = adapter() else { return };
     let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
-    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("isp"),
-        source: wgpu::ShaderSource::Wgsl(ISP_WGSL.into()),
-    });
-    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: Some("isp"),
-        layout: None,
-        module: &module,
-        entry_point: Some("main"),
-        compilation_options: Default::default(),
-        cache: None,
-    });
+    let imports = ImportCache::new(&device, caps, 64);
     // Memory this device imports in place.
     let allocator = Allocator::new(AllocatorDesc {
         backends: caps.importable_backends(),
@@ -82,17 +70,9 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
             }
         }
         let frame = Arc::new(frame);
-        // SAFETY: the frame's write guard is dropped above; the device only reads it.
-        let frame_gpu = unsafe {
-            import_wgpu_buffer(
-                &device,
-                &caps,
-                Arc::clone(&frame),
-                wgpu::BufferUsages::STORAGE,
-                None,
-            )
-        }
-        .unwrap();
+        // SAFETY: the frame's write guard is dropped above; the device only reads it, and the
+        // CPU reads it below only between passes, each waited for.
+        let frame_gpu = unsafe { imports.get(&frame) }.unwrap();
         for (resize, layout, crop, (w, h), matrix, range) in [
             (
                 Resize::Bilinear,
@@ -151,64 +131,22 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
                 preprocess(&desc, r.bytes(), &p, &mut want16).unwrap();
             }
             for elem in [Elem::F32, Elem::F16] {
-                let params = match GpuParams::with_elem(&desc, &p, elem) {
-                    Ok(params) => params,
+                let mut isp = GpuIsp::new(&device, p, elem);
+                let out = Arc::new(allocator.allocate(isp.output_bytes()).unwrap());
+                // SAFETY: the output is read on the CPU only after the device poll that waits
+                // for the pass.
+                let out_gpu = unsafe { imports.get(&out) }.unwrap();
+                match isp.submit(&queue, &desc, &frame_gpu, &out_gpu) {
+                    Ok(_) => {}
                     Err(e) => {
                         // f16 packs pixel pairs: an odd width is refused, clearly.
                         assert!(elem == Elem::F16 && w % 2 == 1, "{e}");
                         assert!(e.to_string().contains("even width"), "{e}");
                         continue;
                     }
-                };
-                let out = Arc::new(allocator.allocate(params.output_bytes() as usize).unwrap());
-                // SAFETY: the output is read on the CPU only after the device poll that waits for
-                // the pass.
-                let out_gpu = unsafe {
-                    import_wgpu_buffer(
-                        &device,
-                        &caps,
-                        Arc::clone(&out),
-                        wgpu::BufferUsages::STORAGE,
-                        None,
-                    )
                 }
-                .unwrap();
-                let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("isp params"),
-                    contents: bytemuck::bytes_of(&params),
-                    usage: wgpu::BufferUsages::UNIFORM,
-                });
-                let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: None,
-                    layout: &pipeline.get_bind_group_layout(0),
-                    entries: &[
-                        wgpu::BindGroupEntry {
-                            binding: 0,
-                            resource: frame_gpu.buffer.as_entire_binding(),
-                        },
-                        wgpu::BindGroupEntry {
-                            binding: 1,
-                            resource: out_gpu.buffer.as_entire_binding(),
-                        },
-                        wgpu::BindGroupEntry {
-                            binding: 2,
-                            resource: uniform.as_entire_binding(),
-                        },
-                    ],
-                });
-                let mut encoder = device.create_command_encoder(&Default::default());
-                {
-                    let mut pass = encoder.begin_compute_pass(&Default::default());
-                    pass.set_pipeline(&pipeline);
-                    pass.set_bind_group(0, &bind, &[]);
-                    let (x, y, z) = params.workgroups();
-                    pass.dispatch_workgroups(x, y, z);
-                }
-                queue.submit([encoder.finish(), host_read_barrier(&device).unwrap()]);
                 device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-                let r = out
-                    .cpu_access(0..params.output_bytes() as usize, Access::Read)
-                    .unwrap();
+                let r = out.cpu_access(0..isp.output_bytes(), Access::Read).unwrap();
                 let worst = match elem {
                     Elem::F32 => {
                         let got = r.typed::<f32>().unwrap();

@@ -486,3 +486,89 @@ pub fn host_read_barrier(device: &wgpu::Device) -> Result<wgpu::CommandBuffer, E
         Err(Error::Vulkan("the encoder is not a Vulkan encoder".into()))
     }
 }
+
+/// Imports of [`UnifiedBuffer`]s into one wgpu device, made once per buffer and kept: the
+/// buffers a pipeline cycles through (a source's frame pool, a ring's slots) are imported the
+/// first time they are seen, and every later use gets the same `wgpu::Buffer`.
+///
+/// One import per buffer per device also matters for correctness: wgpu orders the work of
+/// different submissions on one buffer (it records the barriers between a write and a later
+/// read), but two imports of the same memory are two buffers to it, and nothing would order
+/// a write through one against a read through the other. Stages that share memory on one
+/// device share one cache.
+///
+/// The cache holds at most `capacity` imports; past that, the oldest is dropped (wgpu destroys
+/// it once its last submission has finished, so an eviction never pulls memory from under
+/// running work).
+#[derive(Debug)]
+pub struct ImportCache {
+    device: wgpu::Device,
+    caps: ImportCaps,
+    capacity: usize,
+    /// Oldest first. The pointer identifies an `Arc<UnifiedBuffer>` that the entry's import
+    /// keeps alive, so it cannot be reused by another buffer while the entry exists.
+    entries: std::sync::Mutex<std::collections::VecDeque<(usize, wgpu::Buffer)>>,
+}
+
+impl ImportCache {
+    /// A cache over `device` (from [`open_wgpu_device`], with its `caps`) keeping at most
+    /// `capacity` imports (at least 1).
+    pub fn new(device: &wgpu::Device, caps: ImportCaps, capacity: usize) -> ImportCache {
+        ImportCache {
+            device: device.clone(),
+            caps,
+            capacity: capacity.max(1),
+            entries: std::sync::Mutex::new(std::collections::VecDeque::new()),
+        }
+    }
+
+    /// The device's import capabilities.
+    pub fn caps(&self) -> &ImportCaps {
+        &self.caps
+    }
+
+    /// Imports made so far and still held.
+    pub fn len(&self) -> usize {
+        self.entries.lock().map_or(0, |e| e.len())
+    }
+
+    /// Whether nothing is imported.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The wgpu buffer over `buffer`'s memory (storage, uniform and copy usages), imported now
+    /// if this cache has not seen `buffer` before.
+    ///
+    /// # Safety
+    /// As [`import_wgpu_buffer`]: while device work that uses the returned buffer may be
+    /// executing, no CPU guard of `buffer` may be alive or taken.
+    pub unsafe fn get(&self, buffer: &Arc<UnifiedBuffer>) -> Result<wgpu::Buffer, Error> {
+        let key = Arc::as_ptr(buffer) as usize;
+        let mut entries = self
+            .entries
+            .lock()
+            .map_err(|_| Error::Vulkan("a thread panicked while importing".into()))?;
+        if let Some((_, imported)) = entries.iter().find(|(k, _)| *k == key) {
+            return Ok(imported.clone());
+        }
+        // SAFETY: the caller upholds the CPU/device exclusion for every use of the import.
+        let imported = unsafe {
+            import_wgpu_buffer(
+                &self.device,
+                &self.caps,
+                Arc::clone(buffer),
+                wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::UNIFORM
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                Some("unified buffer"),
+            )
+        }?;
+        if entries.len() == self.capacity {
+            entries.pop_front();
+        }
+        entries.push_back((key, imported.buffer.clone()));
+        Ok(imported.buffer)
+    }
+}

@@ -47,8 +47,8 @@ use uvm_alloc::{Access, Allocator, AllocatorDesc, BackendKind, CopyLedger, Unifi
 
 use ring::{Consumer, Ended, Producer};
 pub use stages::{
-    Completion, CpuEncoder, CpuIsp, DecoderStage, EncoderStage, Generation, GpuContext, GpuEncoder,
-    GpuIsp, IspStage, NpuDecoder, PromptLayout, StageError,
+    Completion, CpuEncoder, CpuIsp, DecoderStage, EncoderStage, GPU_TIMEOUT, Generation,
+    GpuContext, GpuEncoder, GpuIsp, GpuSpan, IspStage, NpuDecoder, PromptLayout, StageError,
 };
 use trace::TraceLog;
 
@@ -158,6 +158,16 @@ pub struct RunReport {
     /// The same, per ledger stage (`y4m-read`, `encoder-cpu-output`, ...), stages with copies only.
     pub bytes_copied_by_stage: Vec<(String, u64)>,
     pub kv_utilisation: f64,
+    /// The most frames whose GPU work was submitted and not yet complete at one time.
+    pub gpu_in_flight_max: usize,
+    /// Per stage (ISP, encoder, decoder), the times its thread blocked waiting for GPU work to
+    /// complete (a fence, a timeline value, a device poll). Waiting for input or for room in a
+    /// ring is backpressure and not counted, nor are the GPU decoder's per-token waits for its
+    /// logits (the CPU's wake to sample).
+    pub host_waits: [u64; 3],
+    /// Capture to the start of its description, per decoded frame: how old the frame a reply
+    /// describes was when the decoder took it.
+    pub staleness_ms: Vec<f64>,
     pub stage_names: [String; 3],
     pub traces: Vec<TraceLog>,
     /// Set when the user stopped the run (Ctrl-C).
@@ -172,16 +182,13 @@ struct Item {
     captured: Instant,
 }
 
-/// An item of the embeddings ring: published as soon as the encoder has submitted its work,
-/// with the timeline value that says when the embeddings are complete.
+/// An item of the pixels and embeddings rings: published as soon as its stage has submitted
+/// the work that writes the slot, with the completion that says when the slot is written.
 #[derive(Clone, Debug)]
-struct Encoded {
+struct Ready {
     item: Item,
     ready: Completion,
 }
-
-/// How long a stage waits for the GPU before calling it lost.
-const GPU_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Runs `chain` until its source ends, `options.max_frames` frames have come in, `stop` is
 /// raised, or a stage fails; `on_event` sees the replies as they stream. The run's figures come
@@ -224,9 +231,12 @@ pub fn run(
     };
     let pixels_allocator = allocator_for(isp.buffer_backends(), encoder.buffer_backends())?;
     let embed_allocator = allocator_for(encoder.buffer_backends(), None)?;
+    // A live ring has one slot more than `depth`: the newest item waits there, ready, while
+    // the producer writes the next and the consumer reads the last.
+    let slots = if options.live { depth + 1 } else { depth };
     let buffers =
         |allocator: &Allocator, bytes: usize| -> Result<Vec<Arc<UnifiedBuffer>>, StageError> {
-            (0..depth)
+            (0..slots)
                 .map(|_| Ok(Arc::new(allocator.allocate(bytes)?)))
                 .collect()
         };
@@ -244,12 +254,28 @@ pub fn run(
 
     let ledger_before = CopyLedger::global().report();
     let origin = Instant::now();
-    let (mut frames_tx, mut frames_rx) =
-        ring::ring::<(Frame, Item)>("frames", depth, Vec::new(), Arc::clone(&stop));
-    let (mut pixels_tx, mut pixels_rx) =
-        ring::ring::<Item>("pixels", depth, pixel_buffers, Arc::clone(&stop));
-    let (mut embed_tx, mut embed_rx) =
-        ring::ring::<Encoded>("embeddings", depth, embed_buffers, Arc::clone(&stop));
+    let ring = |name, buffers| (name, options.live, slots, buffers, Arc::clone(&stop));
+    let (mut frames_tx, mut frames_rx) = open_ring::<(Frame, Item)>(ring("frames", Vec::new()));
+    let (mut pixels_tx, mut pixels_rx) = open_ring::<Ready>(ring("pixels", pixel_buffers));
+    let (mut embed_tx, mut embed_rx) = open_ring::<Ready>(ring("embeddings", embed_buffers));
+    // The GPUs the stages submit to (one, when the ISP and the encoder share a device): a
+    // watcher per GPU timestamps completions for the latencies and the trace.
+    let mut gpus: Vec<GpuContext> = Vec::new();
+    for gpu in [isp.gpu(), encoder.gpu()].into_iter().flatten() {
+        if !gpus
+            .iter()
+            .any(|g| Arc::ptr_eq(g.completion_timeline(), gpu.completion_timeline()))
+        {
+            gpus.push(gpu.clone());
+        }
+    }
+    for gpu in &gpus {
+        gpu.limit_frames_in_flight(depth);
+        if options.trace {
+            gpu.trace_submissions();
+        }
+    }
+    let watch_stop = AtomicBool::new(false);
     let stage_names = [
         isp.name().to_string(),
         encoder.name().to_string(),
@@ -273,7 +299,6 @@ pub fn run(
                 &mut *source,
                 &mut frames_tx,
                 &source_stop,
-                live,
                 every,
                 max_frames,
                 &mut counts,
@@ -287,42 +312,47 @@ pub fn run(
         let isp_thread = scope.spawn(move || {
             let mut log = TraceLog::new(origin, 2, "isp", trace);
             let mut done = StageCounts::default();
-            let result = pump(
+            let result = pump_isp(
                 &mut frames_rx,
                 &mut pixels_tx,
                 live,
                 &mut done,
                 &mut log,
-                "isp",
-                |(frame, item), out| {
-                    isp.process(&frame, out)?;
-                    Ok(item)
-                },
-                |(frame, item)| {
-                    let _ = frame;
-                    item.frame
-                },
+                &mut *isp,
             );
             pixels_tx.close();
             frames_rx.abandon();
+            done.host_waits = isp.host_waits();
+            // A live ring's drops, counted once its consumer is done with it.
+            done.dropped += frames_rx.dropped();
             (done, log, result.err().map(|e| (isp_name, e)))
         });
         let encoder_name = stage_names[1].clone();
         let encoder_thread = scope.spawn(move || {
             let mut log = TraceLog::new(origin, 3, "encoder", trace);
             let mut done = StageCounts::default();
-            let result = pump_buffers(
+            let result = pump_encoder(
                 &mut pixels_rx,
                 &mut embed_tx,
                 live,
                 &mut done,
                 &mut log,
-                |pixels, out| encoder.submit(pixels, out),
+                &mut *encoder,
             );
+            done.host_waits = encoder.host_waits();
             embed_tx.close();
             pixels_rx.abandon();
+            done.dropped += pixels_rx.dropped();
             (done, log, result.err().map(|e| (encoder_name, e)))
         });
+
+        let watchers: Vec<_> = gpus
+            .iter()
+            .map(|gpu| {
+                let watch_stop = &watch_stop;
+                scope.spawn(move || gpu.watch_completions(watch_stop))
+            })
+            .collect();
 
         // The decoder runs here, so replies stream on the caller's thread.
         let mut log = TraceLog::new(origin, 4, "decoder", trace);
@@ -333,13 +363,19 @@ pub fn run(
                 Ok(None) => break,
                 Err(Ended::Stopped | Ended::Closed) => break,
             };
-            let (Encoded { item, ready }, buffer) = received;
+            let (Ready { item, ready }, buffer) = received;
             let buffer = buffer.expect("the embeddings ring has buffers");
             let start = Instant::now();
+            record(
+                &mut report.staleness_ms,
+                report.frames_decoded + 1,
+                ms(start.saturating_duration_since(item.captured)),
+            );
             on_event(Event::FrameStart { frame: item.frame });
             let result = (|| -> Result<Generation, StageError> {
-                // The encoder's completion value (on a GPU, signalled by its queue).
-                ready.wait(GPU_TIMEOUT)?;
+                // The encoder's completion value (on a GPU, signalled by its queue): on the
+                // CPU NPU, the one host wait of the handoff.
+                report.host_waits[2] += u64::from(ready.wait(GPU_TIMEOUT)?);
                 let guard = buffer.cpu_access(0..embed_len * 4, Access::Read)?;
                 let image = guard.typed::<f32>()?;
                 decoder.describe(image, &mut |text| {
@@ -387,6 +423,7 @@ pub fn run(
         }
         // Whatever ended the loop, upstream must stop waiting for this consumer.
         embed_rx.abandon();
+        report.frames_dropped += embed_rx.dropped();
 
         // A stage that panicked (a bug in its implementation) fails the run like an error;
         // its counts and trace are lost, everything else is reported.
@@ -410,6 +447,10 @@ pub fn run(
                 let (failure, log) = panicked(&stage_names[1]);
                 (StageCounts::default(), log, failure)
             });
+        watch_stop.store(true, Ordering::SeqCst);
+        for w in watchers {
+            let _ = w.join();
+        }
         report.frames_in = source_counts.frames_in;
         report.frames_dropped_at_capture = source_counts.lost_at_capture;
         report.frames_skipped = source_counts.skipped;
@@ -417,9 +458,33 @@ pub fn run(
             source_counts.dropped + isp_counts.dropped + encoder_counts.dropped;
         report.frames_preprocessed = isp_counts.done;
         report.frames_encoded = encoder_counts.done;
+        report.host_waits[0] = isp_counts.host_waits;
+        report.host_waits[1] = encoder_counts.host_waits;
         report.latency.isp = isp_counts.latency_ms;
         report.latency.encoder = encoder_counts.latency_ms;
+        // A GPU stage's latency is its work's, submission to completion, as the watcher saw.
+        for gpu in &gpus {
+            report.gpu_in_flight_max = report.gpu_in_flight_max.max(gpu.frames_in_flight_max());
+            for (stage, series) in [
+                ("isp", &mut report.latency.isp),
+                ("encoder", &mut report.latency.encoder),
+            ] {
+                let gpu_series = gpu.latency_ms(stage);
+                if !gpu_series.is_empty() {
+                    *series = gpu_series;
+                }
+            }
+        }
         report.traces = vec![source_log, isp_log, encoder_log, log];
+        if trace {
+            let mut gpu_log = TraceLog::new(origin, 5, "gpu", true);
+            for span in gpus.iter().flat_map(GpuContext::traced_submissions) {
+                if let Some(end) = span.completed {
+                    gpu_log.async_span(span.stage, span.frame, span.value, span.submitted, end);
+                }
+            }
+            report.traces.push(gpu_log);
+        }
         // The first failure in chain order is the cause; later stages only saw the stream end.
         report.failure = [
             source_failure,
@@ -452,6 +517,24 @@ pub fn run(
     Ok(report)
 }
 
+/// A lossless ring, or for a live stream a latest-wins one.
+#[allow(clippy::type_complexity)]
+fn open_ring<T: Send>(
+    (name, live, slots, buffers, stop): (
+        &'static str,
+        bool,
+        usize,
+        Vec<Arc<UnifiedBuffer>>,
+        Arc<AtomicBool>,
+    ),
+) -> (Producer<T>, Consumer<T>) {
+    if live {
+        ring::live_ring(name, slots, buffers, stop)
+    } else {
+        ring::ring(name, slots, buffers, stop)
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -462,7 +545,7 @@ fn ms(d: Duration) -> f64 {
 pub const MAX_LATENCY_SAMPLES: usize = 65_536;
 
 /// Records the `n`-th value (1-based) of a series into `samples` (see [`MAX_LATENCY_SAMPLES`]).
-fn record(samples: &mut Vec<f64>, n: u64, value: f64) {
+pub(crate) fn record(samples: &mut Vec<f64>, n: u64, value: f64) {
     if samples.len() < MAX_LATENCY_SAMPLES {
         samples.push(value);
         return;
@@ -491,31 +574,23 @@ struct StageCounts {
     done: u64,
     dropped: u64,
     latency_ms: Vec<f64>,
+    host_waits: u64,
 }
 
-/// The source worker: pulls frames, samples every `every`-th, and feeds the first ring, blocking
-/// (files) or keeping only the newest waiting frame (live sources).
+/// The source worker: pulls frames, samples every `every`-th, and feeds the first ring: a
+/// file blocks until the ISP frees a slot; a live source never waits (its ring keeps the
+/// newest frames and drops older ones).
 #[allow(clippy::too_many_arguments)]
 fn feed(
     source: &mut dyn FrameSource,
     tx: &mut Producer<(Frame, Item)>,
     stop: &AtomicBool,
-    live: bool,
     every: u64,
     max_frames: Option<u64>,
     counts: &mut SourceCounts,
     log: &mut TraceLog,
 ) -> Result<(), StageError> {
-    let mut waiting: Option<(Frame, Item)> = None;
     while !stop.load(Ordering::SeqCst) && max_frames.is_none_or(|m| counts.frames_in < m) {
-        // A live source never waits for the ring: the frame beside it goes in when there is room.
-        if let Some(w) = waiting.take() {
-            if !tx.has_room() {
-                waiting = Some(w);
-            } else if !publish(tx, w, log) {
-                return Ok(());
-            }
-        }
         let start = Instant::now();
         let Some(frame) = source.next_frame()? else {
             break;
@@ -531,20 +606,9 @@ fn feed(
             frame: frame.sequence,
             captured: Instant::now(),
         };
-        if !live || (waiting.is_none() && tx.has_room()) {
-            // A file blocks here until the ISP frees a slot.
-            if !publish(tx, (frame, item), log) {
-                return Ok(());
-            }
-        } else {
-            if waiting.is_some() {
-                counts.dropped += 1;
-            }
-            waiting = Some((frame, item));
+        if !publish(tx, (frame, item), log) {
+            return Ok(());
         }
-    }
-    if waiting.is_some() {
-        counts.dropped += 1;
     }
     Ok(())
 }
@@ -577,89 +641,102 @@ fn receive_newest<T>(
     Ok(got)
 }
 
-/// The ISP worker's loop: frames in, tensors out.
-#[allow(clippy::too_many_arguments)]
-fn pump<I, F, G>(
-    rx: &mut Consumer<I>,
-    tx: &mut Producer<Item>,
+/// The ISP worker's loop: frames in, tensors out. A tensor is published as soon as its work
+/// is submitted, with its completion; the frame goes back to the source at once, its lease
+/// keeping the buffer from a refill until the device work reading it is done.
+fn pump_isp(
+    rx: &mut Consumer<(Frame, Item)>,
+    tx: &mut Producer<Ready>,
     live: bool,
     counts: &mut StageCounts,
     log: &mut TraceLog,
-    span: &str,
-    mut work: F,
-    frame_of: G,
-) -> Result<(), StageError>
-where
-    F: FnMut(I, &Arc<UnifiedBuffer>) -> Result<Item, StageError>,
-    G: Fn(&I) -> u64,
-{
+    isp: &mut dyn IspStage,
+) -> Result<(), StageError> {
     loop {
-        let Ok(Some((input, _))) = receive_newest(rx, live, &mut counts.dropped) else {
+        // Room first (a ring slot, room on the GPU), then the newest frame: a frame never
+        // ages while the stage waits.
+        let Ok(slot) = tx.reserve() else {
             return Ok(());
         };
-        let frame = frame_of(&input);
-        let Ok(slot) = tx.reserve() else {
+        isp.wait_for_room()?;
+        let Ok(Some(((frame, item), _))) = receive_newest(rx, live, &mut counts.dropped) else {
             return Ok(());
         };
         let out = Arc::clone(slot.buffer().expect("the ISP's output ring has buffers"));
         let start = Instant::now();
-        let result = work(input, &out);
+        let result = isp.submit(&frame, &out);
+        drop(frame);
         rx.release();
-        let item = result?;
+        let ready = result?;
         let elapsed = start.elapsed();
-        log.span(span, Some(frame), start, elapsed);
+        log.span("isp", Some(item.frame), start, elapsed);
         counts.done += 1;
-        record(&mut counts.latency_ms, counts.done, ms(elapsed));
-        let value = tx.publish(slot, item);
-        log.signal(tx.name(), value, Some(frame));
+        // Work done on this thread: its latency is the call's (a GPU stage's comes from its
+        // completion, measured by the chain's watcher).
+        if matches!(ready, Completion::Done) {
+            record(&mut counts.latency_ms, counts.done, ms(elapsed));
+        }
+        let written = ready.timeline_value();
+        let value = tx.publish_written_after(slot, Ready { item, ready }, written);
+        log.signal(tx.name(), value, Some(item.frame));
     }
 }
 
 /// The encoder worker's loop: tensors in, embeddings out, both in ring buffers. The output is
 /// published as soon as the work is submitted, with its completion value, so the decoder waits
-/// on that value itself (on a GPU, a timeline the queue signals); the input goes back to the
-/// ISP only once the work is complete.
-fn pump_buffers(
-    rx: &mut Consumer<Item>,
-    tx: &mut Producer<Encoded>,
+/// on that value itself (on a GPU, a timeline the queue signals); the input slot goes back to
+/// the ISP released after that value, so nobody blocks on it here.
+fn pump_encoder(
+    rx: &mut Consumer<Ready>,
+    tx: &mut Producer<Ready>,
     live: bool,
     counts: &mut StageCounts,
     log: &mut TraceLog,
-    mut submit: impl FnMut(&Arc<UnifiedBuffer>, &Arc<UnifiedBuffer>) -> Result<Completion, StageError>,
+    encoder: &mut dyn EncoderStage,
 ) -> Result<(), StageError> {
     loop {
-        let Ok(Some((item, input))) = receive_newest(rx, live, &mut counts.dropped) else {
-            return Ok(());
-        };
-        let input = input.expect("the pixels ring has buffers");
+        // Room first, then the newest tensor (as the ISP does).
         let Ok(slot) = tx.reserve() else {
             return Ok(());
         };
+        let Ok(Some((
+            Ready {
+                item,
+                ready: pixels_ready,
+            },
+            input,
+        ))) = receive_newest(rx, live, &mut counts.dropped)
+        else {
+            return Ok(());
+        };
+        let input = input.expect("the pixels ring has buffers");
         let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let start = Instant::now();
-        let ready = match submit(&input, &out) {
+        let ready = match encoder.submit(item.frame, &input, &pixels_ready, &out) {
             Ok(ready) => ready,
             Err(e) => {
-                rx.release();
+                // The work may have been submitted before the failure: the ISP gets the slot
+                // back only once everything submitted on it is done.
+                match pixels_ready.timeline_value() {
+                    Some((timeline, value)) => rx.release_after(timeline, value),
+                    None => rx.release(),
+                }
                 return Err(e);
             }
         };
-        let value = tx.publish(
-            slot,
-            Encoded {
-                item,
-                ready: ready.clone(),
-            },
-        );
-        log.signal(tx.name(), value, Some(item.frame));
-        // The device may still be reading the input.
-        let finished = ready.wait(GPU_TIMEOUT);
-        rx.release();
-        finished?;
         let elapsed = start.elapsed();
+        match ready.timeline_value() {
+            Some((timeline, value)) => rx.release_after(timeline, value),
+            None => rx.release(),
+        }
         log.span("encode", Some(item.frame), start, elapsed);
         counts.done += 1;
-        record(&mut counts.latency_ms, counts.done, ms(elapsed));
+        if matches!(ready, Completion::Done) {
+            record(&mut counts.latency_ms, counts.done, ms(elapsed));
+        }
+        let written = ready.timeline_value();
+        let value = tx.publish_written_after(slot, Ready { item, ready }, written);
+        log.signal(tx.name(), value, Some(item.frame));
     }
 }
 
@@ -692,6 +769,16 @@ impl RunReport {
     /// Frames decoded per second of wall time.
     pub fn frames_per_s(&self) -> f64 {
         self.frames_decoded as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// Stage `stage`'s (0 ISP, 1 encoder, 2 decoder) host waits per frame it handled.
+    pub fn host_waits_per_frame(&self, stage: usize) -> f64 {
+        let frames = [
+            self.frames_preprocessed,
+            self.frames_encoded,
+            self.frames_decoded,
+        ][stage];
+        self.host_waits[stage] as f64 / frames.max(1) as f64
     }
 
     /// Bytes the ledger recorded per frame that reached the decoder.
@@ -730,6 +817,13 @@ impl RunReport {
                 .collect::<serde_json::Map<_, _>>(),
             "peak_rss_bytes": peak_rss_bytes(),
             "kv_utilisation": self.kv_utilisation,
+            "gpu_in_flight_max": self.gpu_in_flight_max,
+            "host_waits_per_frame": {
+                "isp": self.host_waits_per_frame(0),
+                "encoder": self.host_waits_per_frame(1),
+                "decoder": self.host_waits_per_frame(2),
+            },
+            "staleness_ms": lat(&self.staleness_ms),
             "stages": {
                 "isp": self.stage_names[0],
                 "encoder": self.stage_names[1],

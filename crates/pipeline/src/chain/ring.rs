@@ -10,6 +10,18 @@
 //! is only the small per-item record `T` (frame number, timestamps); the tensor stays where
 //! the producing engine wrote it.
 //!
+//! Live rings ([`live_ring`]): latest wins. The producer never waits for the consumer: it
+//! writes into a free slot or, when there is none, over the oldest item published and not yet
+//! received (dropping it); the consumer always takes the newest published item and drops the
+//! older ones. A slow stage that becomes free therefore takes the newest frame ready upstream,
+//! never one that waited in the ring behind it. Slot states (free, writing, ready, reading)
+//! are kept under a mutex held only to change them; waits are still timeline waits.
+//!
+//! Device readers: a consumer that hands a slot's buffer to device work and moves on before
+//! that work is done releases the slot with [`Consumer::release_after`] and the timeline value
+//! that says the work has finished. The producer, reserving that slot again, waits for the
+//! value (backpressure, like waiting for `freed`); nobody blocks on each item to find out.
+//!
 //! Ending: the producer's [`Producer::close`] records how many items exist and signals
 //! `filled` to `u64::MAX`, which wakes a waiting consumer that then sees the end. A consumer
 //! that stops early calls [`Consumer::abandon`], which signals `freed` to `u64::MAX` so a
@@ -42,14 +54,42 @@ pub enum Ended {
     Stopped,
 }
 
+/// Device work still reading a released slot's buffer: done once the timeline reaches the value.
+type PendingRead = (Arc<dyn Timeline>, u64);
+
+/// Where a live ring's slot is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    /// Reserved by the producer.
+    Writing,
+    /// Published as the `n`-th item, not received.
+    Ready(u64),
+    /// Received by the consumer, not released.
+    Reading,
+}
+
+/// A live ring's slot states and publish count.
+#[derive(Debug)]
+struct Live {
+    states: Vec<SlotState>,
+    published: u64,
+}
+
 struct Shared<T> {
     name: &'static str,
     slots: Box<[UnsafeCell<Option<T>>]>,
+    /// Per slot, the device work that still reads it after its consumer released it.
+    pending: Box<[std::sync::Mutex<Option<PendingRead>>]>,
     buffers: Vec<Arc<UnifiedBuffer>>,
     filled: CpuTimeline,
     freed: CpuTimeline,
     /// Items produced, once closed (`u64::MAX` while open).
     end: AtomicU64,
+    /// For a live ring, its slot states (see the module notes).
+    live: Option<std::sync::Mutex<Live>>,
+    /// Items a live ring dropped (replaced by a newer one before the consumer took them).
+    dropped: AtomicU64,
     abandoned: AtomicBool,
     stop: Arc<AtomicBool>,
 }
@@ -62,13 +102,17 @@ unsafe impl<T: Send> Sync for Shared<T> {}
 
 impl<T> Shared<T> {
     /// Waits until `timeline` reaches `value`, checking the stop flag every [`STOP_POLL`].
-    fn wait(&self, timeline: &CpuTimeline, value: u64) -> Result<(), Ended> {
+    fn wait(&self, timeline: &dyn Timeline, value: u64) -> Result<(), Ended> {
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return Err(Ended::Stopped);
             }
-            if timeline.wait(value, STOP_POLL).is_ok() {
-                return Ok(());
+            match timeline.wait(value, STOP_POLL) {
+                Ok(()) => return Ok(()),
+                Err(sync_timeline::Error::Timeout { .. }) => {}
+                // A device timeline that fails (device lost) will not reach the value: the
+                // ring ends, and the stage that owns the device reports the failure.
+                Err(_) => return Err(Ended::Closed),
             }
         }
     }
@@ -81,6 +125,11 @@ pub struct Reservation<T> {
     /// The ring it was made on (held, so its identity cannot be reused by another ring).
     ring: Arc<Shared<T>>,
     index: u64,
+    /// The slot it writes.
+    slot: usize,
+    /// Set by `publish`; a live ring's slot goes back to free when a reservation is dropped
+    /// unpublished.
+    published: bool,
     buffer: Option<Arc<UnifiedBuffer>>,
 }
 
@@ -90,6 +139,18 @@ impl<T> std::fmt::Debug for Reservation<T> {
             .field("ring", &self.ring.name)
             .field("index", &self.index)
             .finish_non_exhaustive()
+    }
+}
+
+impl<T> Drop for Reservation<T> {
+    fn drop(&mut self) {
+        if !self.published
+            && self.ring.live.is_some()
+            && let Ok(mut live) = self.ring.live()
+            && live.states[self.slot] == SlotState::Writing
+        {
+            live.states[self.slot] = SlotState::Free;
+        }
     }
 }
 
@@ -114,6 +175,8 @@ pub struct Producer<T> {
 pub struct Consumer<T> {
     shared: Arc<Shared<T>>,
     next: u64,
+    /// In a live ring, the slot last received.
+    reading: Option<usize>,
 }
 
 impl<T> std::fmt::Debug for Producer<T> {
@@ -136,11 +199,33 @@ impl<T> std::fmt::Debug for Consumer<T> {
 
 /// A ring of `depth` slots named `name` (for traces and errors), each with the unified buffer
 /// of the same index in `buffers` (none, or exactly `depth`). `stop` ends every wait when raised.
+/// Every item published is received, in order.
 pub fn ring<T: Send>(
     name: &'static str,
     depth: usize,
     buffers: Vec<Arc<UnifiedBuffer>>,
     stop: Arc<AtomicBool>,
+) -> (Producer<T>, Consumer<T>) {
+    make(name, depth, buffers, stop, false)
+}
+
+/// A latest-wins ring (see the module notes) of `slots` slots (at least 2: one the consumer
+/// reads, one the producer writes; a third holds the newest item ready while both are busy).
+pub fn live_ring<T: Send>(
+    name: &'static str,
+    slots: usize,
+    buffers: Vec<Arc<UnifiedBuffer>>,
+    stop: Arc<AtomicBool>,
+) -> (Producer<T>, Consumer<T>) {
+    make(name, slots.max(2), buffers, stop, true)
+}
+
+fn make<T: Send>(
+    name: &'static str,
+    depth: usize,
+    buffers: Vec<Arc<UnifiedBuffer>>,
+    stop: Arc<AtomicBool>,
+    live: bool,
 ) -> (Producer<T>, Consumer<T>) {
     let depth = depth.max(1);
     assert!(
@@ -150,10 +235,18 @@ pub fn ring<T: Send>(
     let shared = Arc::new(Shared {
         name,
         slots: (0..depth).map(|_| UnsafeCell::new(None)).collect(),
+        pending: (0..depth).map(|_| std::sync::Mutex::new(None)).collect(),
         buffers,
         filled: CpuTimeline::new(0),
         freed: CpuTimeline::new(0),
         end: AtomicU64::new(u64::MAX),
+        live: live.then(|| {
+            std::sync::Mutex::new(Live {
+                states: vec![SlotState::Free; depth],
+                published: 0,
+            })
+        }),
+        dropped: AtomicU64::new(0),
         abandoned: AtomicBool::new(false),
         stop,
     });
@@ -162,8 +255,52 @@ pub fn ring<T: Send>(
             shared: Arc::clone(&shared),
             next: 0,
         },
-        Consumer { shared, next: 0 },
+        Consumer {
+            shared,
+            next: 0,
+            reading: None,
+        },
     )
+}
+
+impl<T> Shared<T> {
+    /// Whether slot `slot`'s device reads (registered by `release_after`) are done; never
+    /// blocks.
+    fn device_done(&self, slot: usize) -> bool {
+        match self.pending[slot].lock() {
+            Ok(p) => p
+                .as_ref()
+                .is_none_or(|(t, v)| t.value().is_ok_and(|now| now >= *v)),
+            Err(_) => false,
+        }
+    }
+
+    /// Waits for slot `slot`'s device reads, and forgets them.
+    fn wait_device(&self, slot: usize) -> Result<(), Ended> {
+        let pending = self.pending[slot].lock().map_err(|_| Ended::Closed)?.take();
+        if let Some((timeline, value)) = pending {
+            self.wait(&*timeline, value)?;
+        }
+        Ok(())
+    }
+
+    fn live(&self) -> Result<std::sync::MutexGuard<'_, Live>, Ended> {
+        self.live
+            .as_ref()
+            .expect("a live ring")
+            .lock()
+            .map_err(|_| Ended::Closed)
+    }
+
+    /// Drops the record in `slot`, whose state the caller just took away from `Ready` under
+    /// the live lock.
+    fn drop_record(&self, slot: usize) {
+        // SAFETY: the slot was `Ready` and the caller changed that under the live lock it
+        // holds: the producer only touches a slot it holds as `Writing`, the consumer one it
+        // holds as `Reading`, so nobody else accesses the cell now.
+        unsafe { *self.slots[slot].get() = None };
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl<T> Producer<T> {
@@ -181,24 +318,110 @@ impl<T> Producer<T> {
         (self.next + 1).saturating_sub(self.shared.slots.len() as u64)
     }
 
-    /// Whether the next item's slot is free now (never blocks): how a live source decides to
-    /// drop a frame instead of waiting.
+    /// Whether the next item's slot is free now (never blocks).
     pub fn has_room(&self) -> bool {
+        if self.shared.live.is_some() {
+            return true;
+        }
         self.shared.freed.current() >= self.free_value()
+            && self
+                .shared
+                .device_done((self.next % self.shared.slots.len() as u64) as usize)
+    }
+
+    /// Items this ring dropped (live rings only): replaced by newer ones before they were
+    /// received.
+    pub fn dropped(&self) -> u64 {
+        self.shared.dropped.load(Ordering::Relaxed)
+    }
+
+    /// A live ring's reservation: a free slot whose device reads are done, else the oldest
+    /// ready item's (dropping it), else the wait for a free slot's device reads or for the
+    /// consumer to release one.
+    fn reserve_live(&mut self) -> Result<Reservation<T>, Ended> {
+        loop {
+            if self.shared.stop.load(Ordering::SeqCst) {
+                return Err(Ended::Stopped);
+            }
+            if self.shared.abandoned.load(Ordering::SeqCst) {
+                return Err(Ended::Closed);
+            }
+            let freed = self.shared.freed.current();
+            let mut busy = None;
+            {
+                let mut live = self.shared.live()?;
+                let free = (0..live.states.len()).filter(|&i| live.states[i] == SlotState::Free);
+                let mut chosen = None;
+                for i in free {
+                    if self.shared.device_done(i) {
+                        chosen = Some(i);
+                        break;
+                    }
+                    busy.get_or_insert(i);
+                }
+                if chosen.is_none() {
+                    // The oldest ready item, unless the device is still writing it: replacing
+                    // it then would only queue more device work behind it (frames in flight
+                    // stay bounded by the ring's slots).
+                    let oldest_ready = (0..live.states.len())
+                        .filter_map(|i| match live.states[i] {
+                            SlotState::Ready(n) => Some((n, i)),
+                            _ => None,
+                        })
+                        .min();
+                    if let Some((_, i)) = oldest_ready {
+                        if self.shared.device_done(i) {
+                            self.shared.drop_record(i);
+                            chosen = Some(i);
+                        } else {
+                            busy.get_or_insert(i);
+                        }
+                    }
+                }
+                if let Some(i) = chosen {
+                    live.states[i] = SlotState::Writing;
+                    drop(live);
+                    self.shared.wait_device(i)?;
+                    return Ok(Reservation {
+                        ring: Arc::clone(&self.shared),
+                        index: self.next,
+                        slot: i,
+                        published: false,
+                        buffer: self.shared.buffers.get(i).cloned(),
+                    });
+                }
+            }
+            match busy {
+                // The slot's device reads finish soon; then it is the producer's.
+                Some(i) => {
+                    self.shared.wait_device(i)?;
+                }
+                // Every slot is being read or written: wait for the consumer to release one.
+                None => self.shared.wait(&self.shared.freed, freed + 1)?,
+            }
+        }
     }
 
     /// Waits until the next item's slot is free and hands it over as a [`Reservation`] (with
     /// the slot's buffer, if the ring has buffers): the producer may now write it, and
     /// publishes it by giving the reservation back to [`Producer::publish`].
     pub fn reserve(&mut self) -> Result<Reservation<T>, Ended> {
+        if self.shared.live.is_some() {
+            return self.reserve_live();
+        }
         self.shared.wait(&self.shared.freed, self.free_value())?;
         if self.shared.abandoned.load(Ordering::SeqCst) {
             return Err(Ended::Closed);
         }
         let depth = self.shared.slots.len() as u64;
+        // The consumer released the slot; device work may still read its buffer.
+        let slot = (self.next % depth) as usize;
+        self.shared.wait_device(slot)?;
         Ok(Reservation {
             ring: Arc::clone(&self.shared),
             index: self.next,
+            slot,
+            published: false,
             buffer: self
                 .shared
                 .buffers
@@ -214,18 +437,47 @@ impl<T> Producer<T> {
     /// If `slot` was reserved on another ring, or is stale (an item was published since it
     /// was reserved): both are bugs in the caller, and publishing then could race the consumer.
     pub fn publish(&mut self, slot: Reservation<T>, record: T) -> u64 {
+        self.publish_written_after(slot, record, None)
+    }
+
+    /// Publishes the reserved item whose buffer device work is still writing until `written`
+    /// (a timeline and value). In a live ring, the producer does not replace that item before
+    /// the write is done, so device work queued per ring stays bounded by its slots; the
+    /// consumer waits for the write itself (the value travels in `record`).
+    pub fn publish_written_after(
+        &mut self,
+        mut slot: Reservation<T>,
+        record: T,
+        written: Option<(Arc<dyn Timeline>, u64)>,
+    ) -> u64 {
+        if self.shared.live.is_some()
+            && written.is_some()
+            && let Ok(mut pending) = self.shared.pending[slot.slot].lock()
+        {
+            *pending = written;
+        }
         assert!(
             Arc::ptr_eq(&slot.ring, &self.shared) && slot.index == self.next,
             "ring {}: publish with a reservation of another ring or item",
             self.shared.name
         );
-        let cell = &self.shared.slots[(self.next % self.shared.slots.len() as u64) as usize];
+        let cell = &self.shared.slots[slot.slot];
         // SAFETY: `slot` is this ring's reservation of item `next` (checked above; it cannot be
-        // made outside `reserve`), so `reserve` saw `freed >= next + 1 - depth`: the consumer
-        // released the item that used this slot before and will not read it until `filled`
-        // reaches `next + 1`, which happens below; we are the only producer.
+        // made outside `reserve`). In a lossless ring, `reserve` saw `freed >= next + 1 -
+        // depth`: the consumer released the item that used this slot before and will not read
+        // it until `filled` reaches `next + 1`, which happens below. In a live ring the slot is
+        // `Writing`, which only this producer touches, until the state change below. We are
+        // the only producer.
         unsafe { *cell.get() = Some(record) };
+        slot.published = true;
         self.next += 1;
+        if self.shared.live.is_some()
+            && let Ok(mut live) = self.shared.live()
+        {
+            live.published += 1;
+            let n = live.published;
+            live.states[slot.slot] = SlotState::Ready(n);
+        }
         // Values only grow and this side is the only signaller of `filled` (below `MAX`).
         let _ = self.shared.filled.signal(self.next);
         self.next
@@ -253,6 +505,9 @@ impl<T> Consumer<T> {
     /// Waits for the next item; `Ok(None)` at the end of the stream. The item's buffer stays
     /// the consumer's to read until [`Consumer::release`].
     pub fn receive(&mut self) -> Result<Option<Received<T>>, Ended> {
+        if self.shared.live.is_some() {
+            return self.receive_live();
+        }
         self.shared.wait(&self.shared.filled, self.next + 1)?;
         if self.next >= self.shared.end.load(Ordering::SeqCst) {
             return Ok(None);
@@ -271,10 +526,54 @@ impl<T> Consumer<T> {
         Ok(record.map(|r| (r, buffer)))
     }
 
+    /// Items this ring dropped (live rings only).
+    pub fn dropped(&self) -> u64 {
+        self.shared.dropped.load(Ordering::Relaxed)
+    }
+
+    /// A live ring's receive: the newest ready item, the older ones dropped.
+    fn receive_live(&mut self) -> Result<Option<Received<T>>, Ended> {
+        loop {
+            let filled = self.shared.filled.current();
+            {
+                let mut live = self.shared.live()?;
+                let newest = (0..live.states.len())
+                    .filter_map(|i| match live.states[i] {
+                        SlotState::Ready(n) => Some((n, i)),
+                        _ => None,
+                    })
+                    .max();
+                if let Some((n, slot)) = newest {
+                    for i in 0..live.states.len() {
+                        if matches!(live.states[i], SlotState::Ready(m) if m < n) {
+                            live.states[i] = SlotState::Free;
+                            self.shared.drop_record(i);
+                        }
+                    }
+                    live.states[slot] = SlotState::Reading;
+                    drop(live);
+                    self.reading = Some(slot);
+                    // SAFETY: the slot is `Reading`, which only this consumer touches until it
+                    // releases it; the producer wrote the record before marking it `Ready`.
+                    let record = unsafe { (*self.shared.slots[slot].get()).take() };
+                    let buffer = self.shared.buffers.get(slot).cloned();
+                    return Ok(record.map(|r| (r, buffer)));
+                }
+                if self.shared.end.load(Ordering::SeqCst) != u64::MAX {
+                    return Ok(None);
+                }
+            }
+            self.shared.wait(&self.shared.filled, filled + 1)?;
+        }
+    }
+
     /// Whether an item newer than the one last received is already published (a live
     /// consumer then skips to it). Call between [`Consumer::receive`] and
-    /// [`Consumer::release`].
+    /// [`Consumer::release`]. A live ring's receive takes the newest already: always false.
     pub fn newer_available(&self) -> bool {
+        if self.shared.live.is_some() {
+            return false;
+        }
         let published = self
             .shared
             .filled
@@ -283,8 +582,25 @@ impl<T> Consumer<T> {
         published > self.next + 1
     }
 
+    /// Gives the last received item's slot back to the producer once `timeline` reaches
+    /// `value`: the device work that reads the slot's buffer, submitted and not waited for.
+    pub fn release_after(&mut self, timeline: Arc<dyn Timeline>, value: u64) {
+        let slot = self
+            .reading
+            .unwrap_or((self.next % self.shared.slots.len() as u64) as usize);
+        if let Ok(mut pending) = self.shared.pending[slot].lock() {
+            *pending = Some((timeline, value));
+        }
+        self.release();
+    }
+
     /// Gives the last received item's slot back to the producer.
     pub fn release(&mut self) {
+        if let Some(slot) = self.reading.take()
+            && let Ok(mut live) = self.shared.live()
+        {
+            live.states[slot] = SlotState::Free;
+        }
         self.next += 1;
         let _ = self.shared.freed.signal(self.next);
     }
@@ -372,6 +688,85 @@ mod tests {
             rx.release();
         }
         assert_eq!(rx.receive().unwrap().map(|(v, _)| v), None);
+    }
+
+    #[test]
+    fn a_slot_released_after_device_work_is_free_once_the_work_is_done() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (mut tx, mut rx) = ring::<u8>("test", 1, Vec::new(), stop);
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 1);
+        rx.receive().unwrap();
+        let gpu = Arc::new(CpuTimeline::new(0));
+        rx.release_after(gpu.clone(), 5);
+        assert!(!tx.has_room(), "the device still reads the slot");
+        let signaller = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            gpu.signal(5).unwrap();
+        });
+        // The producer waits for the device work, then gets the slot.
+        let slot = tx.reserve().unwrap();
+        signaller.join().unwrap();
+        tx.publish(slot, 2);
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(2));
+    }
+
+    /// Latest wins: the producer never waits, the consumer takes the newest item, and every
+    /// item replaced or skipped is counted as dropped.
+    #[test]
+    fn a_live_ring_hands_the_consumer_the_newest_item() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (mut tx, mut rx) = live_ring::<u64>("live", 3, Vec::new(), stop);
+        // The consumer holds item 0 while the producer publishes 1..=9 without blocking.
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 0);
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(0));
+        for i in 1..10 {
+            let slot = tx.reserve().unwrap();
+            tx.publish(slot, i);
+        }
+        rx.release();
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(9));
+        rx.release();
+        // 1..=8 were replaced or skipped.
+        assert_eq!(rx.dropped(), 8);
+        // An unpublished reservation gives its slot back.
+        drop(tx.reserve().unwrap());
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 10);
+        tx.close();
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(10));
+        rx.release();
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), None);
+    }
+
+    #[test]
+    fn a_live_producer_waits_for_device_reads_only_when_no_slot_is_free() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (mut tx, mut rx) = live_ring::<u8>("live", 2, Vec::new(), stop);
+        let gpu = Arc::new(CpuTimeline::new(0));
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 1);
+        rx.receive().unwrap();
+        rx.release_after(gpu.clone(), 1);
+        // Slot A is device-busy, slot B free: the producer takes B at once.
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 2);
+        // B is ready (replaceable), A busy: the producer replaces B rather than wait.
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 3);
+        assert_eq!(rx.dropped(), 1);
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(3));
+        // The consumer reads B; A is the only other slot and busy: the producer waits for it.
+        let signaller = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            gpu.signal(1).unwrap();
+        });
+        let slot = tx.reserve().unwrap();
+        signaller.join().unwrap();
+        tx.publish(slot, 4);
+        rx.release();
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(4));
     }
 
     /// A reservation is spent by its publish: a second one for the same item (reserved before

@@ -10,11 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use isp_v4l2::Frame;
-use isp_v4l2::FrameDesc;
-use isp_v4l2::gpu::GpuParams;
 use isp_v4l2::isp::Preprocess;
 use npu_hal::sampling::{Sampler, SamplingParams};
-use uvm_alloc::vulkan::{ImportCaps, ImportedBuffer, host_read_barrier, import_wgpu_buffer};
+use uvm_alloc::vulkan::{ImportCache, ImportCaps, host_read_barrier};
 use uvm_alloc::{Access, CopyLedger, UnifiedBuffer};
 
 use crate::decoder::Decoder;
@@ -32,12 +30,36 @@ pub trait IspStage: Send {
     fn name(&self) -> &'static str;
     /// Bytes of the tensor it writes.
     fn output_bytes(&self) -> usize;
+    /// Starts writing `frame`'s model input into `out` and says when `out` will be complete.
+    /// The frame may be dropped on return: a stage whose device work still reads it registers
+    /// that work on the frame's lease, so its source does not refill the buffer before.
+    fn submit(&mut self, frame: &Frame, out: &Arc<UnifiedBuffer>)
+    -> Result<Completion, StageError>;
     /// Writes `frame`'s model input into `out`; returns when `out` is complete.
-    fn process(&mut self, frame: &Frame, out: &Arc<UnifiedBuffer>) -> Result<(), StageError>;
+    fn process(&mut self, frame: &Frame, out: &Arc<UnifiedBuffer>) -> Result<(), StageError> {
+        self.submit(frame, out)?.wait(GPU_TIMEOUT).map(|_| ())
+    }
     /// The buffer backends it reads and writes in place, best first; `None` for any (a CPU
     /// stage maps them all). The chain allocates its rings from these.
     fn buffer_backends(&self) -> Option<Vec<uvm_alloc::BackendKind>> {
         None
+    }
+    /// How many times its thread has blocked on GPU work so far.
+    fn host_waits(&self) -> u64 {
+        0
+    }
+    /// The GPU it submits to, if any (for the chain's in-flight count and trace).
+    fn gpu(&self) -> Option<&GpuContext> {
+        None
+    }
+    /// Returns once a new frame's work would fit on its engine (see
+    /// [`GpuContext::limit_frames_in_flight`]): the chain calls this before it takes the
+    /// newest frame, so a frame never ages while the stage waits.
+    fn wait_for_room(&self) -> Result<(), StageError> {
+        match self.gpu() {
+            Some(gpu) => gpu.wait_for_room(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -65,24 +87,41 @@ pub trait EncoderStage: Send {
     fn image_size(&self) -> usize {
         self.config().image_size
     }
+    /// Starts encoding `pixels` (of the source's frame `frame`) into `out` once `pixels_ready`
+    /// (the ISP's completion) and says when `out` will be complete and visible to the CPU;
+    /// `pixels` must stay as they are until then. A GPU encoder on the ISP's queue orders
+    /// itself after the ISP's work in the queue; any other encoder waits for `pixels_ready` on
+    /// the host (and counts the wait).
+    fn submit(
+        &mut self,
+        frame: u64,
+        pixels: &Arc<UnifiedBuffer>,
+        pixels_ready: &Completion,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<Completion, StageError>;
     /// Encodes `pixels` into `out`; returns when `out` is complete and visible to the CPU.
     fn encode(
         &mut self,
         pixels: &Arc<UnifiedBuffer>,
         out: &Arc<UnifiedBuffer>,
-    ) -> Result<(), StageError>;
-    /// Starts encoding `pixels` into `out` and says when `out` will be complete and visible to
-    /// the CPU; `pixels` must stay as they are until then. The chain calls this. The default
-    /// runs [`EncoderStage::encode`] and is complete on return; the GPU encoder returns a
-    /// value of a timeline that its queue signals when the work is done.
-    fn submit(
-        &mut self,
-        pixels: &Arc<UnifiedBuffer>,
-        out: &Arc<UnifiedBuffer>,
-    ) -> Result<Completion, StageError> {
-        self.encode(pixels, out).map(|()| Completion::Done)
+    ) -> Result<(), StageError> {
+        self.submit(0, pixels, &Completion::Done, out)?
+            .wait(GPU_TIMEOUT)
+            .map(|_| ())
+    }
+    /// How many times its thread has blocked on GPU work so far (see
+    /// [`crate::chain::RunReport::host_waits_per_frame`]).
+    fn host_waits(&self) -> u64 {
+        0
+    }
+    /// The GPU it submits to, if any (for the chain's in-flight count and trace).
+    fn gpu(&self) -> Option<&GpuContext> {
+        None
     }
 }
+
+/// How long a stage waits for the GPU before calling it lost.
+pub const GPU_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// When an encoder's output is complete: the sync-timeline value its consumer waits on.
 #[derive(Clone, Debug)]
@@ -98,14 +137,41 @@ pub enum Completion {
 }
 
 impl Completion {
-    /// Returns once the output is complete, or an error after `timeout`.
-    pub fn wait(&self, timeout: Duration) -> Result<(), StageError> {
+    /// Returns once the output is complete, or an error after `timeout`; `Ok(true)` when it
+    /// had to block (the work was not complete yet), which stages count as host waits.
+    pub fn wait(&self, timeout: Duration) -> Result<bool, StageError> {
         use sync_timeline::Timeline;
         match self {
-            Completion::Done => Ok(()),
-            Completion::Gpu { timeline, value } => timeline
-                .wait(*value, timeout)
-                .map_err(|e| format!("waiting for the GPU encoder's value {value}: {e}").into()),
+            Completion::Done => Ok(false),
+            Completion::Gpu { timeline, value } => {
+                if timeline.value()? >= *value {
+                    return Ok(false);
+                }
+                timeline
+                    .wait(*value, timeout)
+                    .map_err(|e| format!("waiting for the GPU's completion value {value}: {e}"))?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Whether the output is complete now (never blocks).
+    pub fn is_done(&self) -> bool {
+        use sync_timeline::Timeline;
+        match self {
+            Completion::Done => true,
+            Completion::Gpu { timeline, value } => timeline.value().is_ok_and(|v| v >= *value),
+        }
+    }
+
+    /// The timeline and value, for a GPU completion.
+    pub fn timeline_value(&self) -> Option<(Arc<dyn sync_timeline::Timeline>, u64)> {
+        match self {
+            Completion::Done => None,
+            Completion::Gpu { timeline, value } => Some((
+                Arc::clone(timeline) as Arc<dyn sync_timeline::Timeline>,
+                *value,
+            )),
         }
     }
 }
@@ -146,12 +212,93 @@ pub struct GpuContext {
     pub adapter: String,
     /// The encoder kernels measured fastest on this adapter.
     pub vision_options: crate::vision_gpu::GpuVisionOptions,
+    /// The unified buffers the stages have imported, each once: a frame pool's buffers and the
+    /// rings' slots. Shared, so the ISP's write and the encoder's read of a slot go through
+    /// one wgpu buffer and wgpu orders them in the queue.
+    pub imports: Arc<ImportCache>,
     /// Signalled by the queue at the end of each [`GpuContext::submit_signalled`] batch.
     completion: Arc<sync_timeline::vulkan::VulkanTimeline>,
-    /// The last value a submission will signal on `completion`. Held across staging the
-    /// signal and submitting, by every submitter of this queue: a signal staged on wgpu's
-    /// queue goes with the next submission, whoever makes it.
-    submissions: Arc<std::sync::Mutex<u64>>,
+    /// The last value a submission will signal on `completion`, and what was submitted. Held
+    /// across staging the signal and submitting, by every submitter of this queue: a signal
+    /// staged on wgpu's queue goes with the next submission, whoever makes it.
+    submissions: Arc<std::sync::Mutex<QueueLog>>,
+    /// See [`GpuContext::limit_frames_in_flight`].
+    in_flight_limit: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Imports a [`GpuContext`] keeps: two rings' slots and a source's pool, with room to spare.
+const IMPORTS_KEPT: usize = 64;
+
+/// What the GPU stages have submitted, for the in-flight count, the stage latencies and the
+/// trace's GPU track.
+#[derive(Debug, Default)]
+struct QueueLog {
+    /// The last value signalled on the completion timeline.
+    last: u64,
+    /// Submissions not yet seen complete, in submission (and so completion) order.
+    open: std::collections::VecDeque<GpuSpan>,
+    /// The most frames with GPU work submitted and not complete at once.
+    in_flight_max: usize,
+    /// Per stage, milliseconds from submission to completion, and how many so far.
+    latency_ms: Vec<(&'static str, u64, Vec<f64>)>,
+    /// With tracing on, every completed submission.
+    traced: Option<Vec<GpuSpan>>,
+}
+
+/// Open submissions a log keeps when nothing retires them (no watcher running): past this,
+/// the oldest are retired as complete when the timeline says so.
+const OPEN_KEPT: usize = 1024;
+
+impl QueueLog {
+    /// Retires the open submissions the queue has finished (`done` is the timeline's value),
+    /// as finished at `now`.
+    fn retire(&mut self, done: u64, now: Instant) {
+        while self.open.front().is_some_and(|s| s.value <= done) {
+            let Some(mut span) = self.open.pop_front() else {
+                break;
+            };
+            span.completed = Some(now);
+            let ms = now.duration_since(span.submitted).as_secs_f64() * 1e3;
+            let at = match self.latency_ms.iter().position(|(s, ..)| *s == span.stage) {
+                Some(at) => at,
+                None => {
+                    self.latency_ms.push((span.stage, 0, Vec::new()));
+                    self.latency_ms.len() - 1
+                }
+            };
+            let (_, n, series) = &mut self.latency_ms[at];
+            *n += 1;
+            crate::chain::record(series, *n, ms);
+            if let Some(traced) = &mut self.traced {
+                traced.push(span);
+            }
+        }
+    }
+
+    /// Frames with a submission whose value is past `done`.
+    fn frames_in_flight(&self, done: u64) -> usize {
+        let mut frames: Vec<u64> = self
+            .open
+            .iter()
+            .filter(|s| s.value > done)
+            .map(|s| s.frame)
+            .collect();
+        frames.sort_unstable();
+        frames.dedup();
+        frames.len()
+    }
+}
+
+/// One GPU submission of a chain stage: from when it was submitted to when the queue was seen
+/// to have finished it.
+#[derive(Clone, Debug)]
+pub struct GpuSpan {
+    pub stage: &'static str,
+    pub frame: u64,
+    /// The completion timeline value it signals.
+    pub value: u64,
+    pub submitted: Instant,
+    pub completed: Option<Instant>,
 }
 
 impl GpuContext {
@@ -172,47 +319,184 @@ impl GpuContext {
         let (desc, vision_options) = crate::vision_gpu::device_descriptor(&adapter);
         let (device, queue, caps) = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc)?;
         let completion = sync_timeline::vulkan::VulkanTimeline::from_wgpu(&device, 0)
-            .map_err(|e| format!("creating the encoder's completion timeline: {e}"))?;
+            .map_err(|e| format!("creating the GPU stages' completion timeline: {e}"))?;
         Ok(GpuContext {
+            imports: Arc::new(ImportCache::new(&device, caps, IMPORTS_KEPT)),
             device,
             queue,
             caps,
             vision_options,
             adapter: info.name,
             completion: Arc::new(completion),
-            submissions: Arc::new(std::sync::Mutex::new(0)),
+            submissions: Arc::new(std::sync::Mutex::new(QueueLog::default())),
+            in_flight_limit: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
         })
     }
 
-    /// Submits `commands` plus the barrier that makes shader writes visible to the host, and
-    /// waits for that submission to complete.
-    fn submit_and_wait(&self, commands: wgpu::CommandBuffer) -> Result<(), StageError> {
-        let barrier = host_read_barrier(&self.device)?;
-        let index = {
-            let _staged = self
-                .submissions
-                .lock()
-                .map_err(|_| "a GPU submitter panicked")?;
-            self.queue.submit([commands, barrier])
-        };
-        self.device.poll(wgpu::PollType::Wait {
-            submission_index: Some(index),
-            timeout: Some(Duration::from_secs(60)),
-        })?;
-        Ok(())
+    /// The timeline the queue signals as each stage submission finishes.
+    pub fn completion_timeline(&self) -> &Arc<sync_timeline::vulkan::VulkanTimeline> {
+        &self.completion
     }
 
-    /// Submits `commands` plus the host-visibility barrier with a signal of the next value of
-    /// the completion timeline on the GPU queue, and returns at once: the value is reached when
-    /// the queue has finished the submission.
-    fn submit_signalled(&self, commands: wgpu::CommandBuffer) -> Result<Completion, StageError> {
-        let barrier = host_read_barrier(&self.device)?;
-        let value = {
-            let mut last = self
+    /// Whether `completion` is signalled by this context's queue: work submitted here after it
+    /// is ordered after it in the queue, with no host wait.
+    pub fn orders_after(&self, completion: &Completion) -> bool {
+        match completion {
+            Completion::Done => true,
+            Completion::Gpu { timeline, .. } => Arc::ptr_eq(timeline, &self.completion),
+        }
+    }
+
+    /// Starts keeping every submission's span, for the trace's GPU track.
+    pub fn trace_submissions(&self) {
+        if let Ok(mut log) = self.submissions.lock() {
+            log.traced.get_or_insert_with(Vec::new);
+        }
+    }
+
+    /// Timestamps submissions as the queue finishes them, until `stop` is raised: the thread
+    /// that runs this wakes once per completed submission (a host wait on the completion
+    /// timeline, in the driver) and otherwise every 50 ms to look at `stop`. It is how the
+    /// chain measures the GPU stages' latencies and draws the trace's GPU track; no stage
+    /// thread waits for the GPU.
+    pub fn watch_completions(&self, stop: &std::sync::atomic::AtomicBool) {
+        use sync_timeline::Timeline;
+        let mut seen = self.completion.value().unwrap_or(0);
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            match self.completion.wait(seen + 1, Duration::from_millis(50)) {
+                Ok(()) => {}
+                Err(sync_timeline::Error::Timeout { .. }) => continue,
+                // A lost device: the stages report it.
+                Err(_) => return,
+            }
+            let now = Instant::now();
+            let Ok(done) = self.completion.value() else {
+                return;
+            };
+            if let Ok(mut log) = self.submissions.lock() {
+                log.retire(done, now);
+            }
+            seen = done;
+        }
+    }
+
+    /// The most frames that had GPU work submitted and not complete at one time.
+    pub fn frames_in_flight_max(&self) -> usize {
+        self.submissions.lock().map_or(0, |l| l.in_flight_max)
+    }
+
+    /// Milliseconds from submission to completion of `stage`'s work (`isp`, `encoder`), as
+    /// retired so far.
+    pub fn latency_ms(&self, stage: &str) -> Vec<f64> {
+        self.submissions
+            .lock()
+            .ok()
+            .and_then(|l| {
+                l.latency_ms
+                    .iter()
+                    .find(|(s, ..)| *s == stage)
+                    .map(|(.., v)| v.clone())
+            })
+            .unwrap_or_default()
+    }
+
+    /// The completed submissions kept since [`GpuContext::trace_submissions`].
+    pub fn traced_submissions(&self) -> Vec<GpuSpan> {
+        self.submissions
+            .lock()
+            .ok()
+            .and_then(|l| l.traced.clone())
+            .unwrap_or_default()
+    }
+
+    /// The wgpu buffer over `buffer`, imported once per context.
+    ///
+    /// # Safety
+    /// As [`ImportCache::get`]: no CPU guard of `buffer` may be alive or taken while device work
+    /// that uses it may be executing.
+    pub unsafe fn import(&self, buffer: &Arc<UnifiedBuffer>) -> Result<wgpu::Buffer, StageError> {
+        // SAFETY: the caller's promise, passed on.
+        Ok(unsafe { self.imports.get(buffer) }?)
+    }
+
+    /// Lets at most `frames` frames have GPU work in flight at once (`--depth`); 0 for no
+    /// limit. A stage submitting a new frame's first work beyond it waits for the oldest
+    /// frame in flight to complete: room on the GPU, backpressure like room in a ring.
+    pub fn limit_frames_in_flight(&self, frames: usize) {
+        self.in_flight_limit
+            .store(frames, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Returns once a new frame may submit work without passing the in-flight limit.
+    pub fn wait_for_room(&self) -> Result<(), StageError> {
+        self.room_for(u64::MAX).map(|_| ())
+    }
+
+    /// The submission log, locked, once `frame` may submit (its frame is in flight already,
+    /// or fewer than the limit are), and the completion value read then.
+    fn room_for(
+        &self,
+        frame: u64,
+    ) -> Result<(std::sync::MutexGuard<'_, QueueLog>, u64), StageError> {
+        use sync_timeline::Timeline;
+        let limit = self
+            .in_flight_limit
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let deadline = Instant::now() + GPU_TIMEOUT;
+        loop {
+            let log = self
                 .submissions
                 .lock()
                 .map_err(|_| "a GPU submitter panicked")?;
-            let value = *last + 1;
+            // Read under the lock, so no submission of another thread lands in between.
+            let done = self.completion.value()?;
+            let open = |s: &&GpuSpan| s.value > done;
+            if limit == 0
+                || log.open.iter().filter(open).any(|s| s.frame == frame)
+                || log.frames_in_flight(done) < limit
+            {
+                return Ok((log, done));
+            }
+            // The oldest frame in flight: its last submission so far.
+            let oldest = log.open.iter().find(open).map(|s| s.frame);
+            let last = log
+                .open
+                .iter()
+                .filter(|s| Some(s.frame) == oldest)
+                .map(|s| s.value)
+                .max()
+                .unwrap_or(done + 1);
+            drop(log);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "no room on the GPU: frames in flight did not complete within {GPU_TIMEOUT:?}"
+                )
+                .into());
+            }
+            match self
+                .completion
+                .wait(last, left.min(Duration::from_millis(50)))
+            {
+                Ok(()) | Err(sync_timeline::Error::Timeout { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Submits `commands` (stage `stage`'s work on `frame`) plus the host-visibility barrier
+    /// with a signal of the next value of the completion timeline on the GPU queue, and returns
+    /// at once: the value is reached when the queue has finished the submission.
+    fn submit_signalled(
+        &self,
+        stage: &'static str,
+        frame: u64,
+        commands: wgpu::CommandBuffer,
+    ) -> Result<Completion, StageError> {
+        let barrier = host_read_barrier(&self.device)?;
+        let value = {
+            let (mut log, done) = self.room_for(frame)?;
+            let value = log.last + 1;
             // Registered first, so the semaphore is not destroyed before the queue signals it.
             self.completion.expect_device_signal(value);
             // SAFETY: the hal queue is only used to stage a semaphore signal for wgpu's next
@@ -225,7 +509,19 @@ impl GpuContext {
             hal.add_signal_semaphore(self.completion.semaphore(), Some(value));
             drop(hal);
             self.queue.submit([commands, barrier]);
-            *last = value;
+            log.last = value;
+            let now = Instant::now();
+            if log.open.len() >= OPEN_KEPT {
+                log.retire(done, now);
+            }
+            log.open.push_back(GpuSpan {
+                stage,
+                frame,
+                value,
+                submitted: now,
+                completed: None,
+            });
+            log.in_flight_max = log.in_flight_max.max(log.frames_in_flight(done));
             value
         };
         // Non-blocking: lets wgpu retire finished submissions.
@@ -234,49 +530,6 @@ impl GpuContext {
             timeline: Arc::clone(&self.completion),
             value,
         })
-    }
-}
-
-/// Imports of the ring's unified buffers, made once per buffer and kept.
-#[derive(Debug, Default)]
-struct Imports {
-    imported: Vec<(*const UnifiedBuffer, ImportedBuffer)>,
-}
-
-// SAFETY: the raw pointer is only compared, never dereferenced; it identifies an
-// `Arc<UnifiedBuffer>` that the ring keeps alive as long as the stage, and the
-// `ImportedBuffer` itself holds a clone of that Arc.
-unsafe impl Send for Imports {}
-
-impl Imports {
-    fn get(
-        &mut self,
-        gpu: &GpuContext,
-        buffer: &Arc<UnifiedBuffer>,
-    ) -> Result<&wgpu::Buffer, StageError> {
-        let key = Arc::as_ptr(buffer);
-        let at = match self.imported.iter().position(|(k, _)| *k == key) {
-            Some(at) => at,
-            None => {
-                // SAFETY: a ring slot belongs to one stage at a time (the ring's invariant), and a
-                // GPU stage hands a slot on only once its device work on it is complete (the ISP
-                // waits for its submission; the encoder's output is read after its completion
-                // value, and its input released only after it), so no CPU guard of the slot is
-                // alive while the device uses it.
-                let imported = unsafe {
-                    import_wgpu_buffer(
-                        &gpu.device,
-                        &gpu.caps,
-                        Arc::clone(buffer),
-                        wgpu::BufferUsages::STORAGE,
-                        Some("ring slot"),
-                    )
-                }?;
-                self.imported.push((key, imported));
-                self.imported.len() - 1
-            }
-        };
-        Ok(&self.imported[at].1.buffer)
     }
 }
 
@@ -301,7 +554,11 @@ impl IspStage for CpuIsp {
         3 * self.params.width * self.params.height * 4
     }
 
-    fn process(&mut self, frame: &Frame, out: &Arc<UnifiedBuffer>) -> Result<(), StageError> {
+    fn submit(
+        &mut self,
+        frame: &Frame,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<Completion, StageError> {
         let len = frame.desc.byte_len();
         let input = frame.buffer.cpu_access(0..len, Access::Read)?;
         let mut output = out.cpu_access(0..self.output_bytes(), Access::Write)?;
@@ -311,55 +568,30 @@ impl IspStage for CpuIsp {
             &self.params,
             output.typed_mut::<f32>()?,
         )?;
-        Ok(())
+        Ok(Completion::Done)
     }
 }
 
-/// The fused ISP as isp-v4l2's WGSL pass: the frame's buffer and the output tensor are both
-/// imported into Vulkan as they are.
+/// The fused ISP as isp-v4l2's WGSL pass ([`isp_v4l2::gpu::GpuIsp`]): the frame's buffer and
+/// the output tensor are both imported into Vulkan as they are, each once.
 pub struct GpuIsp {
     gpu: GpuContext,
-    params: Preprocess,
-    pipeline: wgpu::ComputePipeline,
-    /// The uniform block for the frame shape it was made for.
-    uniform: Option<(FrameDesc, GpuParams, wgpu::Buffer)>,
-    outputs: Imports,
+    pass: isp_v4l2::gpu::GpuIsp,
 }
 
 impl std::fmt::Debug for GpuIsp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuIsp")
             .field("adapter", &self.gpu.adapter)
-            .field("params", &self.params)
+            .field("pass", &self.pass)
             .finish_non_exhaustive()
     }
 }
 
 impl GpuIsp {
     pub fn new(gpu: GpuContext, params: Preprocess) -> GpuIsp {
-        let module = gpu
-            .device
-            .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some("isp"),
-                source: wgpu::ShaderSource::Wgsl(isp_v4l2::gpu::ISP_WGSL.into()),
-            });
-        let pipeline = gpu
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some("isp"),
-                layout: None,
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: Default::default(),
-                cache: None,
-            });
-        GpuIsp {
-            gpu,
-            params,
-            pipeline,
-            uniform: None,
-            outputs: Imports::default(),
-        }
+        let pass = isp_v4l2::gpu::GpuIsp::new(&gpu.device, params, isp_v4l2::gpu::Elem::F32);
+        GpuIsp { gpu, pass }
     }
 }
 
@@ -373,73 +605,36 @@ impl IspStage for GpuIsp {
     }
 
     fn output_bytes(&self) -> usize {
-        3 * self.params.width * self.params.height * 4
+        self.pass.output_bytes()
     }
 
-    fn process(&mut self, frame: &Frame, out: &Arc<UnifiedBuffer>) -> Result<(), StageError> {
-        use wgpu::util::DeviceExt;
-        if self.uniform.as_ref().is_none_or(|(d, ..)| *d != frame.desc) {
-            let p = GpuParams::new(&frame.desc, &self.params)?;
-            let buffer = self
-                .gpu
-                .device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("isp params"),
-                    contents: bytemuck::bytes_of(&p),
-                    usage: wgpu::BufferUsages::UNIFORM,
-                });
-            self.uniform = Some((frame.desc, p, buffer));
-        }
-        let Some((_, params, uniform)) = &self.uniform else {
-            unreachable!("set above")
-        };
-        // The frame is a new buffer each time (the source's, or the driver's), imported as-is.
-        // SAFETY: a source writes a frame (under its own guard, dropped) before delivering it,
-        // and nobody takes a CPU guard of a delivered frame while the ISP holds it; `process`
-        // waits for the device before it returns and lets the frame go.
-        let input = unsafe {
-            import_wgpu_buffer(
-                &self.gpu.device,
-                &self.gpu.caps,
-                Arc::clone(&frame.buffer),
-                wgpu::BufferUsages::STORAGE,
-                Some("frame"),
-            )
-        }?;
-        let output = self.outputs.get(&self.gpu, out)?;
-        let bind = self
-            .gpu
-            .device
-            .create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("isp"),
-                layout: &self.pipeline.get_bind_group_layout(0),
-                entries: &[
-                    wgpu::BindGroupEntry {
-                        binding: 0,
-                        resource: input.buffer.as_entire_binding(),
-                    },
-                    wgpu::BindGroupEntry {
-                        binding: 1,
-                        resource: output.as_entire_binding(),
-                    },
-                    wgpu::BindGroupEntry {
-                        binding: 2,
-                        resource: uniform.as_entire_binding(),
-                    },
-                ],
-            });
+    fn gpu(&self) -> Option<&GpuContext> {
+        Some(&self.gpu)
+    }
+
+    fn submit(
+        &mut self,
+        frame: &Frame,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<Completion, StageError> {
+        // SAFETY: a source writes a frame (under its own guard, dropped) before delivering it
+        // and refills its buffer only once the frame's lease is free, which the registration
+        // below holds until the pass is done.
+        let input = unsafe { self.gpu.import(&frame.buffer) }?;
+        // SAFETY: the output slot is the ISP's until it publishes it, and its reader (the
+        // encoder, on this queue, or a CPU stage after the completion value) touches it only
+        // after the pass.
+        let output = unsafe { self.gpu.import(out) }?;
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("isp"),
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(&self.pipeline);
-            pass.set_bind_group(0, &bind, &[]);
-            let (x, y, z) = params.workgroups();
-            pass.dispatch_workgroups(x, y, z);
+        self.pass
+            .record(&mut encoder, &frame.desc, &input, &output)?;
+        let done = self
+            .gpu
+            .submit_signalled("isp", frame.sequence, encoder.finish())?;
+        if let Some((timeline, value)) = done.timeline_value() {
+            frame.lease.release_after(timeline, value);
         }
-        self.gpu.submit_and_wait(encoder.finish())
+        Ok(done)
     }
 }
 
@@ -447,11 +642,16 @@ impl IspStage for GpuIsp {
 #[derive(Debug)]
 pub struct CpuEncoder {
     encoder: VisionEncoder,
+    /// Times it blocked waiting for a GPU ISP's output.
+    host_waits: u64,
 }
 
 impl CpuEncoder {
     pub fn new(encoder: VisionEncoder) -> CpuEncoder {
-        CpuEncoder { encoder }
+        CpuEncoder {
+            encoder,
+            host_waits: 0,
+        }
     }
 }
 
@@ -464,11 +664,18 @@ impl EncoderStage for CpuEncoder {
         self.encoder.config()
     }
 
-    fn encode(
+    fn host_waits(&self) -> u64 {
+        self.host_waits
+    }
+
+    fn submit(
         &mut self,
+        _frame: u64,
         pixels: &Arc<UnifiedBuffer>,
+        pixels_ready: &Completion,
         out: &Arc<UnifiedBuffer>,
-    ) -> Result<(), StageError> {
+    ) -> Result<Completion, StageError> {
+        self.host_waits += u64::from(pixels_ready.wait(GPU_TIMEOUT)?);
         let s = self.image_size();
         let input = pixels.cpu_access(0..3 * s * s * 4, Access::Read)?;
         let result = self.encoder.encode(input.typed::<f32>()?)?;
@@ -478,7 +685,7 @@ impl EncoderStage for CpuEncoder {
         CopyLedger::global()
             .stage("encoder-cpu-output")
             .copy(output.typed_mut::<f32>()?, &result)?;
-        Ok(())
+        Ok(Completion::Done)
     }
 }
 
@@ -487,8 +694,8 @@ impl EncoderStage for CpuEncoder {
 pub struct GpuEncoder {
     gpu: GpuContext,
     encoder: GpuVisionEncoder,
-    inputs: Imports,
-    outputs: Imports,
+    /// Times it blocked waiting for an ISP on another engine.
+    host_waits: u64,
 }
 
 impl std::fmt::Debug for GpuEncoder {
@@ -507,8 +714,7 @@ impl GpuEncoder {
         Ok(GpuEncoder {
             gpu,
             encoder,
-            inputs: Imports::default(),
-            outputs: Imports::default(),
+            host_waits: 0,
         })
     }
 }
@@ -526,26 +732,38 @@ impl EncoderStage for GpuEncoder {
         self.encoder.config()
     }
 
-    fn encode(
-        &mut self,
-        pixels: &Arc<UnifiedBuffer>,
-        out: &Arc<UnifiedBuffer>,
-    ) -> Result<(), StageError> {
-        self.submit(pixels, out)?.wait(Duration::from_secs(60))
+    fn host_waits(&self) -> u64 {
+        self.host_waits
+    }
+
+    fn gpu(&self) -> Option<&GpuContext> {
+        Some(&self.gpu)
     }
 
     fn submit(
         &mut self,
+        frame: u64,
         pixels: &Arc<UnifiedBuffer>,
+        pixels_ready: &Completion,
         out: &Arc<UnifiedBuffer>,
     ) -> Result<Completion, StageError> {
-        let input = self.inputs.get(&self.gpu, pixels)?.clone();
-        let output = self.outputs.get(&self.gpu, out)?.clone();
+        // Work on this queue is ordered after the ISP's in the queue (wgpu records the barrier
+        // between the ISP's write and this read of the one import of the slot); anything else
+        // is waited for here.
+        if !self.gpu.orders_after(pixels_ready) {
+            self.host_waits += u64::from(pixels_ready.wait(GPU_TIMEOUT)?);
+        }
+        // SAFETY: the input slot stays the encoder's until the returned completion (the chain
+        // releases it with that value).
+        let input = unsafe { self.gpu.import(pixels) }?;
+        // SAFETY: the output slot is only read on the CPU after the returned completion.
+        let output = unsafe { self.gpu.import(out) }?;
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
         self.encoder
             .record(&self.gpu.device, &mut encoder, &input, &output)
             .map_err(|e| e.to_string())?;
-        self.gpu.submit_signalled(encoder.finish())
+        self.gpu
+            .submit_signalled("encoder", frame, encoder.finish())
     }
 }
 

@@ -1,6 +1,8 @@
 //! Chrome / Perfetto trace events (the JSON "Trace Event Format"): one complete event (`"X"`)
-//! per stage span and one instant event (`"i"`) per timeline signal, so a user opening the
-//! file in ui.perfetto.dev or chrome://tracing sees the stages overlap.
+//! per stage span, one instant event (`"i"`) per timeline signal, and on the `gpu` lane one
+//! async slice (`"b"`/`"e"`) per GPU submission, from its submission to the completion value
+//! the queue signalled, so a user opening the file in ui.perfetto.dev or chrome://tracing sees
+//! the stages overlap and several frames in flight on the GPU at once.
 //!
 //! Each worker records into its own [`TraceLog`] (no sharing on the hot path); the logs are
 //! merged when the workers have joined.
@@ -23,6 +25,9 @@ pub struct TraceEvent {
     pub frame: Option<u64>,
     /// The timeline value signalled, for instants.
     pub value: Option<u64>,
+    /// For a span that may overlap others on its lane (GPU work in flight): its id, and the
+    /// span is written as an async slice (`b`/`e`), which trace viewers stack.
+    pub async_id: Option<u64>,
 }
 
 /// A worker's events, recorded against the run's start time.
@@ -61,6 +66,23 @@ impl TraceLog {
                 duration_us: Some(duration.as_secs_f64() * 1e6),
                 frame,
                 value: None,
+                async_id: None,
+            });
+        }
+    }
+
+    /// A span from `start` to `end` that may overlap other spans of the lane (work in flight
+    /// on a GPU queue), identified by `id` (its completion timeline value).
+    pub fn async_span(&mut self, name: &str, frame: u64, id: u64, start: Instant, end: Instant) {
+        if self.enabled {
+            self.events.push(TraceEvent {
+                name: name.to_string(),
+                lane: self.lane,
+                start_us: self.micros(start),
+                duration_us: Some(end.saturating_duration_since(start).as_secs_f64() * 1e6),
+                frame: Some(frame),
+                value: Some(id),
+                async_id: Some(id),
             });
         }
     }
@@ -75,6 +97,7 @@ impl TraceLog {
                 duration_us: None,
                 frame,
                 value: Some(value),
+                async_id: None,
             });
         }
     }
@@ -110,12 +133,23 @@ pub fn write(path: &Path, logs: &[TraceLog]) -> std::io::Result<()> {
             let mut event = serde_json::json!({
                 "name": e.name, "pid": 1, "tid": e.lane, "ts": e.start_us, "args": args,
             });
-            match e.duration_us {
-                Some(d) => {
+            match (e.duration_us, e.async_id) {
+                (Some(d), Some(id)) => {
+                    event["ph"] = "b".into();
+                    event["cat"] = name.into();
+                    event["id"] = id.into();
+                    let mut end = event.clone();
+                    end["ph"] = "e".into();
+                    end["ts"] = (e.start_us + d).into();
+                    events.push(event);
+                    events.push(end);
+                    continue;
+                }
+                (Some(d), None) => {
                     event["ph"] = "X".into();
                     event["dur"] = d.into();
                 }
-                None => {
+                (None, _) => {
                     event["ph"] = "i".into();
                     event["s"] = "t".into();
                 }
