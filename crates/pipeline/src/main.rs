@@ -228,7 +228,8 @@ struct RunArgs {
     /// Deliver file and pattern frames at their rate.
     #[arg(long)]
     realtime: bool,
-    /// Slots per ring between stages.
+    /// Slots per ring between stages (one more when live), and the most frames whose GPU work
+    /// may be in flight at once.
     #[arg(long)]
     depth: Option<usize>,
     /// Capture buffers for a camera source (2 to 32; default: enough for the rings' depth,
@@ -385,9 +386,18 @@ fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         (&report.stage_names[1], &report.latency.encoder),
         (&report.stage_names[2], &report.latency.decoder),
         (&"capture->reply".to_string(), &report.latency.end_to_end),
+        (&"staleness".to_string(), &report.staleness_ms),
     ] {
         eprintln!("  {name:<20} {}", lat(v));
     }
+    eprintln!(
+        "GPU: at most {} frames in flight; host waits per frame: isp {:.2}, encoder {:.2}, \
+         decoder {:.2}",
+        report.gpu_in_flight_max,
+        report.host_waits_per_frame(0),
+        report.host_waits_per_frame(1),
+        report.host_waits_per_frame(2)
+    );
     eprintln!(
         "tokens: {} at {:.1} tok/s; time to first token p50 {:.1} ms; KV use {:.1}%; \
          bytes copied per frame {:.0}; peak RSS {:.1} MiB",

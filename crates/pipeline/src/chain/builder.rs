@@ -293,9 +293,12 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         (Some(_), _) => true,
     };
     let depth = spec.depth.unwrap_or(2).max(1);
+    // The frames ring's slots (one more than the depth when live), the frames whose GPU ISP
+    // work is in flight (their leases hold the buffers, up to the depth), and one for the
+    // driver to fill.
     let camera_buffers = spec
         .buffers
-        .unwrap_or_else(|| u32::try_from(depth + 3).unwrap_or(u32::MAX))
+        .unwrap_or_else(|| u32::try_from(2 * depth + 2).unwrap_or(u32::MAX))
         .min(isp_v4l2::v4l2::MAX_BUFFERS);
     let source: Box<dyn FrameSource> = isp_v4l2::open_source(
         source_spec,
