@@ -25,9 +25,7 @@
 //!
 //! # Unsafe
 //! Denied at the root; the exceptions are the `mmap` of a model file in [`model`] and of the
-//! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept, and the
-//! single-producer single-consumer slots of [`chain::ring`], whose exclusive access the
-//! timelines order (a slot is written only with the `Reservation` its `reserve` returned), the
+//! weight cache in [`mxcache`], whose `SAFETY` notes state the limitation they accept, the
 //! GPU stages' imports of ring buffers and frames (`uvm_alloc::vulkan::import_wgpu_buffer`,
 //! whose CPU-guard contract the ring's hand-offs keep), the staged completion signal in
 //! [`chain::GpuContext`], and the token that enables wgpu's experimental cooperative matrices in

@@ -19,30 +19,33 @@
 //!   the drm crate, with sync_file export/import of a point. A Vulkan timeline cannot be
 //!   exported as a sync_file; where one is needed, transfer the point into a syncobj.
 //!
-//! # Bridges and chains
+//! # Bridges and rings
 //! A CPU stage waits on a GPU value by waiting on the Vulkan timeline itself (the host wait is
 //! the driver's); a GPU submission waits on a CPU stage by waiting on a Vulkan timeline value
 //! that the CPU stage signals from the host when it finishes (timeline semaphores allow the wait
 //! to be submitted before the signal): [`bridge::Fanout`] makes one signal reach both. No thread
-//! sits in between. [`chain`] runs stages that
-//! each wait on `(timeline, v)`, work, and signal `(own timeline, v)`; workers block only in
-//! timeline waits.
+//! sits in between. [`ring`] hands items (and the buffers they live in) from one stage worker
+//! to the next over two CPU timelines, lossless or latest-wins, with slots that device work
+//! holds until its own timeline value; workers block only in timeline waits.
 //!
 //! # Invariants
 //! - A timeline's value never decreases; every wait has a timeout.
 //!
 //! # Unsafe
 //! The Vulkan backend calls ash (every Vulkan call is `unsafe`: each says which handle validity
-//! makes it sound); the DRM backend makes one raw ioctl the drm crate lacks. Everything else is
-//! safe code over rustix and the drm crate; [`sys`] holds the generated sync_file/syncobj UAPI.
+//! makes it sound); the DRM backend makes one raw ioctl the drm crate lacks; [`ring`] shares its
+//! slots between two threads through `UnsafeCell`s, each access ordered by its timelines or its
+//! slot states. Everything else is safe code over rustix and the drm crate; [`sys`] holds the
+//! generated sync_file/syncobj UAPI.
 
 #![deny(unsafe_code)]
 
 pub mod bridge;
-pub mod chain;
 mod cpu;
 #[cfg(feature = "drm")]
 pub mod drm;
+#[allow(unsafe_code)]
+pub mod ring;
 pub mod sys;
 #[cfg(feature = "vulkan")]
 #[allow(unsafe_code)]

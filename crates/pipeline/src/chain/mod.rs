@@ -9,7 +9,7 @@
 //! ```
 //!
 //! While frame N is being decoded, frame N+1 is encoded and N+2 preprocessed: each ring lets
-//! its producer run `depth` items ahead ([`ring`]). A stage's output tensor is written where
+//! its producer run `depth` items ahead ([`sync_timeline::ring`]). A stage's output tensor is written where
 //! the next stage reads it (the same unified buffer, imported into Vulkan when a GPU stage
 //! touches it), so the per-frame copy count is what the copy ledger says: zero on the GPU path
 //! over unified memory.
@@ -33,8 +33,6 @@
 
 pub mod builder;
 #[allow(unsafe_code)]
-pub mod ring;
-#[allow(unsafe_code)]
 pub mod stages;
 pub mod trace;
 
@@ -45,7 +43,11 @@ use std::time::{Duration, Instant};
 use isp_v4l2::{Frame, FrameSource};
 use uvm_alloc::{Access, Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
 
-use ring::{Consumer, Ended, Producer};
+use sync_timeline::ring::{self, Ended};
+
+/// The chain's rings: items of `T`, each slot with a unified buffer (or none).
+type Producer<T> = ring::Producer<T, Arc<UnifiedBuffer>>;
+type Consumer<T> = ring::Consumer<T, Arc<UnifiedBuffer>>;
 pub use stages::{
     Completion, CpuEncoder, CpuIsp, DecoderStage, EncoderStage, GPU_TIMEOUT, Generation,
     GpuContext, GpuEncoder, GpuIsp, GpuSpan, IspStage, NpuDecoder, PromptLayout, StageError,
@@ -631,7 +633,7 @@ fn receive_newest<T>(
     rx: &mut Consumer<T>,
     live: bool,
     dropped: &mut u64,
-) -> Result<Option<ring::Received<T>>, Ended> {
+) -> Result<Option<ring::Received<T, Arc<UnifiedBuffer>>>, Ended> {
     let mut got = rx.receive()?;
     while live && got.is_some() && rx.newer_available() {
         rx.release();

@@ -1,14 +1,15 @@
 //! A single-producer, single-consumer ring between two stage workers, driven by two CPU
 //! timelines instead of a lock: `filled` counts items published, `freed` counts items the
-//! consumer is done with.
+//! consumer is done with. This is how stages run ahead of each other: each waits only on a
+//! timeline, for its input or for room.
 //!
 //! Item `i` (0, 1, 2, ...) lives in slot `i % depth`. The producer may write slot `i % depth`
 //! once `freed >= i + 1 - depth` (the item that used the slot before has been released), and
 //! publishes item `i` by signalling `filled = i + 1`. The consumer may read item `i` once
 //! `filled >= i + 1` and gives the slot back by signalling `freed = i + 1`. Alongside each slot
-//! the ring can own a unified buffer (the stage's output tensor), so the payload that moves
-//! is only the small per-item record `T` (frame number, timestamps); the tensor stays where
-//! the producing engine wrote it.
+//! the ring can own a buffer `B` (in the pipeline, the stage's output tensor in a unified
+//! buffer), so the payload that moves is only the small per-item record `T` (frame number,
+//! timestamps); the tensor stays where the producing engine wrote it.
 //!
 //! Live rings ([`live_ring`]): latest wins. The producer never waits for the consumer: it
 //! writes into a free slot or, when there is none, over the oldest item published and not yet
@@ -39,8 +40,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use sync_timeline::{CpuTimeline, Timeline};
-use uvm_alloc::UnifiedBuffer;
+use crate::{CpuTimeline, Timeline};
 
 /// How long one timeline wait lasts before the stop flag is checked again.
 const STOP_POLL: Duration = Duration::from_millis(50);
@@ -76,12 +76,12 @@ struct Live {
     published: u64,
 }
 
-struct Shared<T> {
+struct Shared<T, B> {
     name: &'static str,
     slots: Box<[UnsafeCell<Option<T>>]>,
     /// Per slot, the device work that still reads it after its consumer released it.
     pending: Box<[std::sync::Mutex<Option<PendingRead>>]>,
-    buffers: Vec<Arc<UnifiedBuffer>>,
+    buffers: Vec<B>,
     filled: CpuTimeline,
     freed: CpuTimeline,
     /// Items produced, once closed (`u64::MAX` while open).
@@ -98,9 +98,9 @@ struct Shared<T> {
 // only between reserve and publish of an item, the consumer only between receive and release,
 // ordered by the timelines' SeqCst operations), so sharing the ring between the two threads is
 // sound whenever the payload itself may move between threads.
-unsafe impl<T: Send> Sync for Shared<T> {}
+unsafe impl<T: Send, B: Send + Sync> Sync for Shared<T, B> {}
 
-impl<T> Shared<T> {
+impl<T, B> Shared<T, B> {
     /// Waits until `timeline` reaches `value`, checking the stop flag every [`STOP_POLL`].
     fn wait(&self, timeline: &dyn Timeline, value: u64) -> Result<(), Ended> {
         loop {
@@ -109,7 +109,7 @@ impl<T> Shared<T> {
             }
             match timeline.wait(value, STOP_POLL) {
                 Ok(()) => return Ok(()),
-                Err(sync_timeline::Error::Timeout { .. }) => {}
+                Err(crate::Error::Timeout { .. }) => {}
                 // A device timeline that fails (device lost) will not reach the value: the
                 // ring ends, and the stage that owns the device reports the failure.
                 Err(_) => return Err(Ended::Closed),
@@ -121,19 +121,19 @@ impl<T> Shared<T> {
 /// The right to write and publish one item: made only by [`Producer::reserve`], spent by
 /// [`Producer::publish`], so safe code cannot publish into a slot the consumer may still read.
 #[must_use = "a reservation is published with Producer::publish"]
-pub struct Reservation<T> {
+pub struct Reservation<T, B> {
     /// The ring it was made on (held, so its identity cannot be reused by another ring).
-    ring: Arc<Shared<T>>,
+    ring: Arc<Shared<T, B>>,
     index: u64,
     /// The slot it writes.
     slot: usize,
     /// Set by `publish`; a live ring's slot goes back to free when a reservation is dropped
     /// unpublished.
     published: bool,
-    buffer: Option<Arc<UnifiedBuffer>>,
+    buffer: Option<B>,
 }
 
-impl<T> std::fmt::Debug for Reservation<T> {
+impl<T, B> std::fmt::Debug for Reservation<T, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reservation")
             .field("ring", &self.ring.name)
@@ -142,7 +142,7 @@ impl<T> std::fmt::Debug for Reservation<T> {
     }
 }
 
-impl<T> Drop for Reservation<T> {
+impl<T, B> Drop for Reservation<T, B> {
     fn drop(&mut self) {
         if !self.published
             && self.ring.live.is_some()
@@ -154,32 +154,32 @@ impl<T> Drop for Reservation<T> {
     }
 }
 
-impl<T> Reservation<T> {
+impl<T, B> Reservation<T, B> {
     /// The slot's buffer, for the producer to write (rings without buffers have none).
-    pub fn buffer(&self) -> Option<&Arc<UnifiedBuffer>> {
+    pub fn buffer(&self) -> Option<&B> {
         self.buffer.as_ref()
     }
 }
 
 /// What [`Consumer::receive`] hands over: the item's record and its slot's buffer (when the
 /// ring has buffers).
-pub type Received<T> = (T, Option<Arc<UnifiedBuffer>>);
+pub type Received<T, B> = (T, Option<B>);
 
 /// The writing half of a ring.
-pub struct Producer<T> {
-    shared: Arc<Shared<T>>,
+pub struct Producer<T, B> {
+    shared: Arc<Shared<T, B>>,
     next: u64,
 }
 
 /// The reading half of a ring.
-pub struct Consumer<T> {
-    shared: Arc<Shared<T>>,
+pub struct Consumer<T, B> {
+    shared: Arc<Shared<T, B>>,
     next: u64,
     /// In a live ring, the slot last received.
     reading: Option<usize>,
 }
 
-impl<T> std::fmt::Debug for Producer<T> {
+impl<T, B> std::fmt::Debug for Producer<T, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Producer")
             .field("ring", &self.shared.name)
@@ -188,7 +188,7 @@ impl<T> std::fmt::Debug for Producer<T> {
     }
 }
 
-impl<T> std::fmt::Debug for Consumer<T> {
+impl<T, B> std::fmt::Debug for Consumer<T, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Consumer")
             .field("ring", &self.shared.name)
@@ -197,36 +197,36 @@ impl<T> std::fmt::Debug for Consumer<T> {
     }
 }
 
-/// A ring of `depth` slots named `name` (for traces and errors), each with the unified buffer
+/// A ring of `depth` slots named `name` (for traces and errors), each with the buffer
 /// of the same index in `buffers` (none, or exactly `depth`). `stop` ends every wait when raised.
 /// Every item published is received, in order.
-pub fn ring<T: Send>(
+pub fn ring<T: Send, B>(
     name: &'static str,
     depth: usize,
-    buffers: Vec<Arc<UnifiedBuffer>>,
+    buffers: Vec<B>,
     stop: Arc<AtomicBool>,
-) -> (Producer<T>, Consumer<T>) {
+) -> (Producer<T, B>, Consumer<T, B>) {
     make(name, depth, buffers, stop, false)
 }
 
 /// A latest-wins ring (see the module notes) of `slots` slots (at least 2: one the consumer
 /// reads, one the producer writes; a third holds the newest item ready while both are busy).
-pub fn live_ring<T: Send>(
+pub fn live_ring<T: Send, B>(
     name: &'static str,
     slots: usize,
-    buffers: Vec<Arc<UnifiedBuffer>>,
+    buffers: Vec<B>,
     stop: Arc<AtomicBool>,
-) -> (Producer<T>, Consumer<T>) {
+) -> (Producer<T, B>, Consumer<T, B>) {
     make(name, slots.max(2), buffers, stop, true)
 }
 
-fn make<T: Send>(
+fn make<T: Send, B>(
     name: &'static str,
     depth: usize,
-    buffers: Vec<Arc<UnifiedBuffer>>,
+    buffers: Vec<B>,
     stop: Arc<AtomicBool>,
     live: bool,
-) -> (Producer<T>, Consumer<T>) {
+) -> (Producer<T, B>, Consumer<T, B>) {
     let depth = depth.max(1);
     assert!(
         buffers.is_empty() || buffers.len() == depth,
@@ -263,7 +263,7 @@ fn make<T: Send>(
     )
 }
 
-impl<T> Shared<T> {
+impl<T, B> Shared<T, B> {
     /// Whether slot `slot`'s device reads (registered by `release_after`) are done; never
     /// blocks.
     fn device_done(&self, slot: usize) -> bool {
@@ -303,7 +303,7 @@ impl<T> Shared<T> {
     }
 }
 
-impl<T> Producer<T> {
+impl<T, B: Clone> Producer<T, B> {
     /// The ring's name.
     pub fn name(&self) -> &'static str {
         self.shared.name
@@ -338,7 +338,7 @@ impl<T> Producer<T> {
     /// A live ring's reservation: a free slot whose device reads are done, else the oldest
     /// ready item's (dropping it), else the wait for a free slot's device reads or for the
     /// consumer to release one.
-    fn reserve_live(&mut self) -> Result<Reservation<T>, Ended> {
+    fn reserve_live(&mut self) -> Result<Reservation<T, B>, Ended> {
         loop {
             if self.shared.stop.load(Ordering::SeqCst) {
                 return Err(Ended::Stopped);
@@ -405,7 +405,7 @@ impl<T> Producer<T> {
     /// Waits until the next item's slot is free and hands it over as a [`Reservation`] (with
     /// the slot's buffer, if the ring has buffers): the producer may now write it, and
     /// publishes it by giving the reservation back to [`Producer::publish`].
-    pub fn reserve(&mut self) -> Result<Reservation<T>, Ended> {
+    pub fn reserve(&mut self) -> Result<Reservation<T, B>, Ended> {
         if self.shared.live.is_some() {
             return self.reserve_live();
         }
@@ -436,7 +436,7 @@ impl<T> Producer<T> {
     /// # Panics
     /// If `slot` was reserved on another ring, or is stale (an item was published since it
     /// was reserved): both are bugs in the caller, and publishing then could race the consumer.
-    pub fn publish(&mut self, slot: Reservation<T>, record: T) -> u64 {
+    pub fn publish(&mut self, slot: Reservation<T, B>, record: T) -> u64 {
         self.publish_written_after(slot, record, None)
     }
 
@@ -446,7 +446,7 @@ impl<T> Producer<T> {
     /// consumer waits for the write itself (the value travels in `record`).
     pub fn publish_written_after(
         &mut self,
-        mut slot: Reservation<T>,
+        mut slot: Reservation<T, B>,
         record: T,
         written: Option<(Arc<dyn Timeline>, u64)>,
     ) -> u64 {
@@ -482,7 +482,9 @@ impl<T> Producer<T> {
         let _ = self.shared.filled.signal(self.next);
         self.next
     }
+}
 
+impl<T, B> Producer<T, B> {
     /// Ends the stream: the consumer receives every published item, then `None`.
     pub fn close(&mut self) {
         self.shared.end.fetch_min(self.next, Ordering::SeqCst);
@@ -490,13 +492,13 @@ impl<T> Producer<T> {
     }
 }
 
-impl<T> Drop for Producer<T> {
+impl<T, B> Drop for Producer<T, B> {
     fn drop(&mut self) {
         self.close();
     }
 }
 
-impl<T> Consumer<T> {
+impl<T, B: Clone> Consumer<T, B> {
     /// The ring's name.
     pub fn name(&self) -> &'static str {
         self.shared.name
@@ -504,7 +506,7 @@ impl<T> Consumer<T> {
 
     /// Waits for the next item; `Ok(None)` at the end of the stream. The item's buffer stays
     /// the consumer's to read until [`Consumer::release`].
-    pub fn receive(&mut self) -> Result<Option<Received<T>>, Ended> {
+    pub fn receive(&mut self) -> Result<Option<Received<T, B>>, Ended> {
         if self.shared.live.is_some() {
             return self.receive_live();
         }
@@ -532,7 +534,7 @@ impl<T> Consumer<T> {
     }
 
     /// A live ring's receive: the newest ready item, the older ones dropped.
-    fn receive_live(&mut self) -> Result<Option<Received<T>>, Ended> {
+    fn receive_live(&mut self) -> Result<Option<Received<T, B>>, Ended> {
         loop {
             let filled = self.shared.filled.current();
             {
@@ -604,7 +606,9 @@ impl<T> Consumer<T> {
         self.next += 1;
         let _ = self.shared.freed.signal(self.next);
     }
+}
 
+impl<T, B> Consumer<T, B> {
     /// Stops reading: a producer waiting for room wakes and ends.
     pub fn abandon(&mut self) {
         self.shared.abandoned.store(true, Ordering::SeqCst);
@@ -612,7 +616,7 @@ impl<T> Consumer<T> {
     }
 }
 
-impl<T> Drop for Consumer<T> {
+impl<T, B> Drop for Consumer<T, B> {
     fn drop(&mut self) {
         self.abandon();
     }
@@ -625,7 +629,7 @@ mod tests {
     #[test]
     fn items_arrive_in_order_and_the_producer_waits_for_room() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = ring::<u64>("test", 2, Vec::new(), stop);
+        let (mut tx, mut rx) = ring::<u64, ()>("test", 2, Vec::new(), stop);
         let producer = std::thread::spawn(move || {
             for i in 0..100 {
                 let slot = tx.reserve().unwrap();
@@ -645,7 +649,7 @@ mod tests {
     #[test]
     fn a_full_ring_has_no_room_until_the_consumer_releases() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = ring::<u8>("test", 1, Vec::new(), stop);
+        let (mut tx, mut rx) = ring::<u8, ()>("test", 1, Vec::new(), stop);
         assert!(tx.has_room());
         let slot = tx.reserve().unwrap();
         tx.publish(slot, 7);
@@ -659,7 +663,7 @@ mod tests {
     #[test]
     fn abandoning_wakes_a_waiting_producer_and_stop_wakes_a_waiting_consumer() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = ring::<u8>("test", 1, Vec::new(), Arc::clone(&stop));
+        let (mut tx, mut rx) = ring::<u8, ()>("test", 1, Vec::new(), Arc::clone(&stop));
         let slot = tx.reserve().unwrap();
         tx.publish(slot, 1);
         let waiter = std::thread::spawn(move || tx.reserve().map(|_| ()));
@@ -667,7 +671,7 @@ mod tests {
         rx.abandon();
         assert_eq!(waiter.join().unwrap(), Err(Ended::Closed));
 
-        let (_tx2, mut rx2) = ring::<u8>("test", 1, Vec::new(), Arc::clone(&stop));
+        let (_tx2, mut rx2) = ring::<u8, ()>("test", 1, Vec::new(), Arc::clone(&stop));
         let waiter = std::thread::spawn(move || rx2.receive().map(|r| r.map(|(v, _)| v)));
         std::thread::sleep(Duration::from_millis(20));
         stop.store(true, Ordering::SeqCst);
@@ -677,7 +681,7 @@ mod tests {
     #[test]
     fn dropping_the_producer_ends_the_stream_after_its_items() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = ring::<u8>("test", 3, Vec::new(), stop);
+        let (mut tx, mut rx) = ring::<u8, ()>("test", 3, Vec::new(), stop);
         for i in 0..3 {
             let slot = tx.reserve().unwrap();
             tx.publish(slot, i);
@@ -693,7 +697,7 @@ mod tests {
     #[test]
     fn a_slot_released_after_device_work_is_free_once_the_work_is_done() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = ring::<u8>("test", 1, Vec::new(), stop);
+        let (mut tx, mut rx) = ring::<u8, ()>("test", 1, Vec::new(), stop);
         let slot = tx.reserve().unwrap();
         tx.publish(slot, 1);
         rx.receive().unwrap();
@@ -716,7 +720,7 @@ mod tests {
     #[test]
     fn a_live_ring_hands_the_consumer_the_newest_item() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = live_ring::<u64>("live", 3, Vec::new(), stop);
+        let (mut tx, mut rx) = live_ring::<u64, ()>("live", 3, Vec::new(), stop);
         // The consumer holds item 0 while the producer publishes 1..=9 without blocking.
         let slot = tx.reserve().unwrap();
         tx.publish(slot, 0);
@@ -743,7 +747,7 @@ mod tests {
     #[test]
     fn a_live_producer_waits_for_device_reads_only_when_no_slot_is_free() {
         let stop = Arc::new(AtomicBool::new(false));
-        let (mut tx, mut rx) = live_ring::<u8>("live", 2, Vec::new(), stop);
+        let (mut tx, mut rx) = live_ring::<u8, ()>("live", 2, Vec::new(), stop);
         let gpu = Arc::new(CpuTimeline::new(0));
         let slot = tx.reserve().unwrap();
         tx.publish(slot, 1);
@@ -775,7 +779,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "reservation of another ring or item")]
     fn a_stale_reservation_cannot_publish() {
-        let (mut tx, _rx) = ring::<u32>("r", 2, Vec::new(), Arc::new(AtomicBool::new(false)));
+        let (mut tx, _rx) = ring::<u32, ()>("r", 2, Vec::new(), Arc::new(AtomicBool::new(false)));
         let first = tx.reserve().unwrap();
         let second = tx.reserve().unwrap();
         tx.publish(first, 1);
