@@ -33,13 +33,16 @@
 
 #![deny(unsafe_code)]
 
+#[cfg(feature = "vision")]
 pub mod chain;
 pub mod decoder;
 pub mod grammar;
 pub mod llm;
 pub mod model;
 pub mod mxcache;
+#[cfg(feature = "vision")]
 pub mod vision;
+#[cfg(feature = "vision")]
 #[allow(unsafe_code)]
 pub mod vision_gpu;
 

@@ -7,13 +7,20 @@
 //! - `bench`: llama-bench's pp/tg tests, JSON out;
 //! - `encode`: the SigLIP tower and SmolVLM connector alone (GPU or CPU), .npy out;
 //! - `devices`: the execution devices this machine has, including accel nodes without a backend.
+//!
+//! `run`, `isp` and `encode` need the `vision` feature (default); without it the binary is the
+//! decoder alone and builds no wgpu.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+#[cfg(feature = "vision")]
+use clap::ValueEnum;
+use clap::{Parser, Subcommand};
+#[cfg(feature = "vision")]
 use isp_v4l2::isp::{Layout, Matrix, Preprocess, Range, preprocess};
+#[cfg(feature = "vision")]
 use isp_v4l2::{Pacing, SourceOptions, open_source};
 
 #[derive(Parser, Debug)]
@@ -26,24 +33,28 @@ struct Cli {
     command: Cmd,
 }
 
+#[cfg(feature = "vision")]
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum MatrixArg {
     Bt601,
     Bt709,
 }
 
+#[cfg(feature = "vision")]
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum RangeArg {
     Limited,
     Full,
 }
 
+#[cfg(feature = "vision")]
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum StageArg {
     Vision,
     Connector,
 }
 
+#[cfg(feature = "vision")]
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum BackendArg {
     Gpu,
@@ -56,8 +67,10 @@ enum BackendArg {
 enum Cmd {
     /// The whole chain: source -> ISP -> vision encoder -> decoder, overlapped; for each
     /// sampled frame, stream a reply prefixed with the frame number.
+    #[cfg(feature = "vision")]
     Run(RunArgs),
     /// Run the ISP on one frame and write what the model sees (8-bit RGB, .png or raw .rgb).
+    #[cfg(feature = "vision")]
     Isp {
         /// pattern:WxH@FPS[:nv12|i420|yuyv], file:clip.y4m, file:image.png or file:folder
         #[arg(long)]
@@ -142,6 +155,7 @@ enum Cmd {
         reps: usize,
     },
     /// Run the vision encoder alone and write its output as .npy (image embeddings).
+    #[cfg(feature = "vision")]
     Encode {
         /// A SmolVLM checkpoint directory (config.json + *.safetensors) or a llama.cpp mmproj
         /// GGUF file.
@@ -178,6 +192,7 @@ enum Cmd {
 }
 
 /// `pipeline run`'s flags; each overrides the same key of `--config`.
+#[cfg(feature = "vision")]
 #[derive(clap::Args, Debug)]
 struct RunArgs {
     /// A TOML chain description (keys as these flags, `_` for `-`; see pipeline::chain::builder).
@@ -264,6 +279,7 @@ struct RunArgs {
     grammar: Option<PathBuf>,
 }
 
+#[cfg(feature = "vision")]
 impl RunArgs {
     fn spec(&self) -> Result<pipeline::chain::builder::ChainSpec, Box<dyn std::error::Error>> {
         use pipeline::chain::builder::ChainSpec;
@@ -321,6 +337,7 @@ impl RunArgs {
 
 /// `pipeline run`: builds the chain, streams replies, prints the report and writes the
 /// statistics and trace files even when a stage failed or the user pressed Ctrl-C.
+#[cfg(feature = "vision")]
 fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     use pipeline::chain::{Event, percentile};
     use std::sync::Arc;
@@ -533,7 +550,9 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
+        #[cfg(feature = "vision")]
         Cmd::Run(args) => run_chain(&args),
+        #[cfg(feature = "vision")]
         Cmd::Isp {
             source,
             frame,
@@ -787,6 +806,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             );
             Ok(())
         }
+        #[cfg(feature = "vision")]
         Cmd::Encode {
             vlm,
             image,
@@ -901,6 +921,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// An MX element format by name, for `--mx-weights`.
+#[cfg(feature = "vision")]
 fn parse_mx_format(name: &str) -> Result<mx_quant::ElemFormat, String> {
     mx_quant::ElemFormat::from_name(name).ok_or_else(|| {
         format!(
@@ -911,6 +932,7 @@ fn parse_mx_format(name: &str) -> Result<mx_quant::ElemFormat, String> {
 
 /// Runs the WGSL encoder on the first Vulkan adapter; the image goes up in a unified buffer
 /// imported as-is and the result is read where the GPU wrote it.
+#[cfg(feature = "vision")]
 fn encode_on_gpu(
     cpu: &pipeline::vision::VisionEncoder,
     values: &[f32],
