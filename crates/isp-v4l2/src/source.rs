@@ -57,6 +57,22 @@ pub trait FrameSource: Send {
     fn dropped(&self) -> u64 {
         0
     }
+    /// Repeats every signal of the source's timeline on `mirror` too (a Vulkan timeline, so
+    /// GPU work can wait for a frame in the queue); `false` if the source cannot. Call before
+    /// the first frame.
+    fn mirror_timeline(&mut self, mirror: Arc<dyn Timeline>) -> bool {
+        let _ = mirror;
+        false
+    }
+    /// The next frame before it is written: its buffer, its sequence number and the `ready`
+    /// value its timeline reaches once the frame is in the buffer. The next
+    /// [`FrameSource::next_frame`] delivers exactly this frame. A consumer may submit device
+    /// work that reads the buffer and waits for `ready` on the device (ahead-of-time
+    /// submission); it must not read the buffer on the CPU before `ready`. `Ok(None)` when the
+    /// source cannot say (a camera's driver picks the buffer) or the stream ends.
+    fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
+        Ok(None)
+    }
 }
 
 /// A pool of [`DEFAULT_POOL_FRAMES`] buffers of `bytes` from the default allocator.
@@ -72,8 +88,12 @@ struct Clock {
     rate: f64,
     start: Option<Instant>,
     timeline: Arc<CpuTimeline>,
+    /// Timelines every signal is repeated on, before `timeline` ([`FrameSource::mirror_timeline`]).
+    mirrors: Vec<Arc<dyn Timeline>>,
     /// The sequence number of the next frame.
     next: u64,
+    /// The buffer of the frame announced and not yet delivered.
+    announced: Option<(Arc<UnifiedBuffer>, Lease)>,
 }
 
 impl Clock {
@@ -83,7 +103,9 @@ impl Clock {
             rate,
             start: None,
             timeline: Arc::new(CpuTimeline::new(0)),
+            mirrors: Vec::new(),
             next: 0,
+            announced: None,
         }
     }
 
@@ -91,8 +113,8 @@ impl Clock {
         Duration::from_secs_f64(sequence as f64 / self.rate)
     }
 
-    /// Waits until frame `sequence` is due (real-time pacing), then publishes it.
-    fn publish(&mut self, sequence: u64) -> Result<u64, Error> {
+    /// Waits until frame `sequence` is due (real-time pacing).
+    fn pace(&mut self, sequence: u64) {
         let start = *self.start.get_or_insert_with(Instant::now);
         if self.pacing == Pacing::RealTime {
             let due = start + self.timestamp(sequence);
@@ -100,10 +122,51 @@ impl Clock {
                 std::thread::sleep(wait);
             }
         }
-        self.timeline
+    }
+
+    /// Waits until frame `sequence` is due (real-time pacing), then publishes it.
+    fn publish(&mut self, sequence: u64) -> Result<u64, Error> {
+        self.pace(sequence);
+        self.timeline()
             .signal(sequence + 1)
             .map_err(Error::Timeline)?;
         Ok(sequence + 1)
+    }
+
+    /// The source's timeline: the CPU one, or with mirrors a fan-out that signals them first.
+    fn timeline(&self) -> Arc<dyn Timeline> {
+        if self.mirrors.is_empty() {
+            self.timeline.clone()
+        } else {
+            Arc::new(sync_timeline::bridge::Fanout {
+                primary: self.timeline.clone(),
+                mirrors: self.mirrors.clone(),
+            })
+        }
+    }
+
+    /// The buffer for the next frame: the announced one, or a fresh one from `pool`.
+    fn buffer(&mut self, pool: &mut FramePool) -> Result<(Arc<UnifiedBuffer>, Lease), Error> {
+        match self.announced.take() {
+            Some(b) => Ok(b),
+            None => pool.take(),
+        }
+    }
+
+    /// Takes the next frame's buffer from `pool` now and describes the frame it will hold.
+    fn announce(&mut self, pool: &mut FramePool, desc: FrameDesc) -> Result<Frame, Error> {
+        if self.announced.is_none() {
+            self.announced = Some(pool.take()?);
+        }
+        let (buffer, lease) = self.announced.clone().expect("set above");
+        Ok(Frame {
+            buffer,
+            desc,
+            timestamp: self.timestamp(self.next),
+            sequence: self.next,
+            ready: self.next + 1,
+            lease,
+        })
     }
 
     /// Numbers, paces and announces a filled frame: the one way every source emits a frame.
@@ -203,7 +266,19 @@ impl FrameSource for PatternSource {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.clock.timeline.clone()
+        self.clock.timeline()
+    }
+
+    fn mirror_timeline(&mut self, mirror: Arc<dyn Timeline>) -> bool {
+        self.clock.mirrors.push(mirror);
+        true
+    }
+
+    fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
+        if self.frames.is_some_and(|f| self.clock.next >= f) {
+            return Ok(None);
+        }
+        self.clock.announce(&mut self.pool, self.desc).map(Some)
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
@@ -211,7 +286,10 @@ impl FrameSource for PatternSource {
             return Ok(None);
         }
         let d = self.desc;
-        let (buffer, lease) = self.pool.take()?;
+        let (buffer, lease) = self.clock.buffer(&mut self.pool)?;
+        // Like a camera, the frame is written when it is due, not before: work queued ahead
+        // of it really waits for it.
+        self.clock.pace(self.clock.next);
         {
             let mut w = buffer
                 .cpu_access(0..d.byte_len(), Access::Write)
@@ -428,7 +506,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.clock.timeline.clone()
+        self.clock.timeline()
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
@@ -594,7 +672,7 @@ impl FrameSource for ImageSource {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.clock.timeline.clone()
+        self.clock.timeline()
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {

@@ -243,6 +243,10 @@ struct RunArgs {
     /// Deliver file and pattern frames at their rate.
     #[arg(long)]
     realtime: bool,
+    /// Submit each frame's GPU work only once the frame is captured (by default, where the
+    /// source can announce its next frame, the work is queued before and waits on the GPU).
+    #[arg(long)]
+    no_ahead: bool,
     /// Slots per ring between stages (one more when live), and the most frames whose GPU work
     /// may be in flight at once.
     #[arg(long)]
@@ -319,6 +323,7 @@ impl RunArgs {
                 .transpose()?
                 .unwrap_or_default(),
             realtime: self.realtime.then_some(true),
+            ahead: self.no_ahead.then_some(false),
             policy: self.policy.clone(),
             threads: self.threads,
             ctx: self.ctx,
@@ -408,9 +413,10 @@ fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("  {name:<20} {}", lat(v));
     }
     eprintln!(
-        "GPU: at most {} frames in flight; host waits per frame: isp {:.2}, encoder {:.2}, \
-         decoder {:.2}",
+        "GPU: at most {} frames in flight, {} submitted ahead of their capture; host waits per \
+         frame: isp {:.2}, encoder {:.2}, decoder {:.2}",
         report.gpu_in_flight_max,
+        report.frames_submitted_ahead,
         report.host_waits_per_frame(0),
         report.host_waits_per_frame(1),
         report.host_waits_per_frame(2)

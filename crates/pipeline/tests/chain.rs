@@ -770,3 +770,70 @@ fn frames_overlap_on_the_gpu_and_a_live_stream_describes_the_newest_frame() {
         p50(&report.staleness_ms)
     );
 }
+
+/// Ahead-of-time submission: with a real-time pattern (written when each frame is due, as a
+/// camera would), the GPU ISP's work for a frame is queued before the frame is written and
+/// waits on the GPU for the source's signal. The replies are the same as with the work
+/// submitted after each capture (`ahead: false`), frame for frame. Without the queue wait the
+/// ISP would read the pooled buffer's previous frame and the replies would differ (checked by
+/// hand when this was written), so the comparison is what tests the wait.
+#[test]
+fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
+    let _ledger = ledger_lock();
+    let dir = tiny_vlm();
+    let run = |ahead: bool| {
+        let spec = ChainSpec {
+            source: Some("pattern:320x240@30".into()),
+            model: Some(dir.clone()),
+            vlm: Some(dir.clone()),
+            isp: Placement::Gpu,
+            encoder: Placement::Gpu,
+            realtime: Some(true),
+            backpressure: pipeline::chain::builder::Backpressure::Block,
+            ahead: Some(ahead),
+            max_frames: Some(12),
+            max_tokens: Some(4),
+            policy: Some("exact-f32".into()),
+            ..ChainSpec::default()
+        };
+        let built = match build(&spec, true) {
+            Ok(b) => b,
+            Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
+                eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
+                return None;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let mut replies = std::collections::BTreeMap::<u64, String>::new();
+        let report = pipeline::chain::run(
+            built.chain,
+            &built.options,
+            Arc::new(AtomicBool::new(false)),
+            |e| {
+                if let Event::Text { frame, text } = e {
+                    replies.entry(frame).or_default().push_str(text);
+                }
+            },
+        )
+        .unwrap();
+        assert!(report.failure.is_none(), "{:?}", report.failure);
+        assert_eq!(report.frames_decoded, 12);
+        assert_eq!(report.host_waits_per_frame(0), 0.0);
+        assert_eq!(report.host_waits_per_frame(1), 0.0);
+        Some((report.frames_submitted_ahead, replies))
+    };
+    let Some((ahead, with)) = run(true) else {
+        return;
+    };
+    let (behind, without) = run(false).unwrap();
+    assert!(
+        ahead > 0,
+        "no frame's work was submitted ahead of its capture"
+    );
+    assert_eq!(behind, 0);
+    assert_eq!(with.len(), 12);
+    assert_eq!(
+        with, without,
+        "the replies differ with work submitted ahead"
+    );
+}

@@ -528,6 +528,11 @@ impl<T, B: Clone> Consumer<T, B> {
         Ok(record.map(|r| (r, buffer)))
     }
 
+    /// Whether the run's stop flag is raised (for a consumer waiting on something else).
+    pub fn stopped(&self) -> bool {
+        self.shared.stop.load(Ordering::SeqCst)
+    }
+
     /// Items this ring dropped (live rings only).
     pub fn dropped(&self) -> u64 {
         self.shared.dropped.load(Ordering::Relaxed)

@@ -157,9 +157,10 @@ pub struct ImportedBuffer {
 ///
 /// # Safety
 /// The device and the CPU must not race on the memory: while device work that reads or writes
-/// the returned buffer may be executing (from its submission until it is known complete, by a
-/// fence, a timeline value or a device poll), no [`UnifiedBuffer::cpu_access`] guard of
-/// `source` may be alive, and none may be taken; a guard held while such work is submitted must
+/// the returned buffer may be executing (from when it can start until it is known complete, by
+/// a fence, a timeline value or a device poll), no [`UnifiedBuffer::cpu_access`] guard of
+/// `source` may be alive, and none may be taken. Work can start at its submission, or, when it
+/// waits in the queue for a timeline value, once that value is signalled; a guard held while such work is submitted must
 /// be dropped first. The CPU guards hand out plain `&[u8]`/`&mut [u8]`, so a device write under
 /// one would be a data race.
 pub unsafe fn import_wgpu_buffer(
@@ -448,16 +449,50 @@ fn import(
 /// mapping. (It is its own command buffer because wgpu does not mix raw and wgpu commands in
 /// one encoder; a barrier orders everything earlier in submission order.)
 pub fn host_read_barrier(device: &wgpu::Device) -> Result<wgpu::CommandBuffer, Error> {
+    memory_barrier(
+        device,
+        "host-read barrier",
+        (
+            vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
+            vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE,
+        ),
+        (vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ),
+    )
+}
+
+/// A command buffer holding only the memory barrier that makes host writes visible to compute
+/// shaders and transfers (`HOST_WRITE` -> `SHADER_READ | TRANSFER_READ`). Submit it before work
+/// that reads memory the host writes after the submission: work that waits in the queue for a
+/// timeline value the host signals once it has written (queue submission itself only covers
+/// host writes made before it).
+pub fn host_write_barrier(device: &wgpu::Device) -> Result<wgpu::CommandBuffer, Error> {
+    memory_barrier(
+        device,
+        "host-write barrier",
+        (vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_WRITE),
+        (
+            vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
+            vk::AccessFlags::SHADER_READ | vk::AccessFlags::TRANSFER_READ,
+        ),
+    )
+}
+
+/// A command buffer holding one global memory barrier from `src` to `dst` (stages, accesses).
+fn memory_barrier(
+    device: &wgpu::Device,
+    label: &str,
+    src: (vk::PipelineStageFlags, vk::AccessFlags),
+    dst: (vk::PipelineStageFlags, vk::AccessFlags),
+) -> Result<wgpu::CommandBuffer, Error> {
     // SAFETY: only the raw device handle is read.
     let raw = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }
         .map(|d| d.raw_device().clone())
         .ok_or_else(|| Error::Vulkan("the device does not run on wgpu's Vulkan backend".into()))?;
     let barrier = vk::MemoryBarrier::default()
-        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-        .dst_access_mask(vk::AccessFlags::HOST_READ);
-    let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-        label: Some("host-read barrier"),
-    });
+        .src_access_mask(src.1)
+        .dst_access_mask(dst.1);
+    let mut encoder =
+        device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) });
     let record = |hal: Option<&mut wgpu::hal::vulkan::CommandEncoder>| {
         let Some(hal) = hal else { return false };
         // SAFETY: the handle is only used to record into while the encoder is open.
@@ -467,8 +502,8 @@ pub fn host_read_barrier(device: &wgpu::Device) -> Result<wgpu::CommandBuffer, E
         unsafe {
             raw.cmd_pipeline_barrier(
                 cb,
-                vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
-                vk::PipelineStageFlags::HOST,
+                src.0,
+                dst.0,
                 vk::DependencyFlags::empty(),
                 &[barrier],
                 &[],

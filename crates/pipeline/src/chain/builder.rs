@@ -144,6 +144,9 @@ pub struct ChainSpec {
     pub backpressure: Backpressure,
     /// Deliver file and pattern frames at their rate instead of as fast as possible.
     pub realtime: Option<bool>,
+    /// Submit a frame's GPU work before its capture lands where the source can announce it
+    /// (default true; `--no-ahead` turns it off).
+    pub ahead: Option<bool>,
     pub matrix: Option<String>,
     pub range: Option<String>,
     pub policy: Option<String>,
@@ -194,6 +197,7 @@ impl ChainSpec {
             depth,
             buffers,
             realtime,
+            ahead,
             matrix,
             range,
             policy,
@@ -499,6 +503,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
             depth,
             live,
             trace,
+            ahead: spec.ahead.unwrap_or(true),
         },
         notes,
     })

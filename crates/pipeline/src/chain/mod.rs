@@ -44,6 +44,7 @@ use isp_v4l2::{Frame, FrameSource};
 use uvm_alloc::{Access, Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
 
 use sync_timeline::ring::{self, Ended};
+use sync_timeline::{CpuTimeline, Timeline};
 
 /// The chain's rings: items of `T`, each slot with a unified buffer (or none).
 type Producer<T> = ring::Producer<T, Arc<UnifiedBuffer>>;
@@ -86,6 +87,9 @@ pub struct RunOptions {
     pub live: bool,
     /// Record trace events.
     pub trace: bool,
+    /// Submit a frame's GPU work before the frame is captured, waiting in the queue for the
+    /// source's signal, where the source and the ISP can (ahead-of-time submission).
+    pub ahead: bool,
 }
 
 impl Default for RunOptions {
@@ -96,6 +100,7 @@ impl Default for RunOptions {
             depth: 2,
             live: false,
             trace: false,
+            ahead: true,
         }
     }
 }
@@ -162,6 +167,8 @@ pub struct RunReport {
     pub kv_utilisation: f64,
     /// The most frames whose GPU work was submitted and not yet complete at one time.
     pub gpu_in_flight_max: usize,
+    /// Frames whose ISP work was submitted before the frame was written (ahead of time).
+    pub frames_submitted_ahead: u64,
     /// Per stage (ISP, encoder, decoder), the times its thread blocked waiting for GPU work to
     /// complete (a fence, a timeline value, a device poll). Waiting for input or for room in a
     /// ring is backpressure and not counted, nor are the GPU decoder's per-token waits for its
@@ -178,10 +185,20 @@ pub struct RunReport {
 }
 
 /// The record that travels with each item through the rings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Item {
     frame: u64,
-    captured: Instant,
+    /// When the frame was in its buffer: set by the source thread once it has written it,
+    /// which for a frame announced ahead of its capture is after the item was published.
+    captured: Arc<std::sync::OnceLock<Instant>>,
+    /// When the item was published (the capture time's stand-in until it is set).
+    published: Instant,
+}
+
+impl Item {
+    fn captured(&self) -> Instant {
+        self.captured.get().copied().unwrap_or(self.published)
+    }
 }
 
 /// An item of the pixels and embeddings rings: published as soon as its stage has submitted
@@ -278,6 +295,18 @@ pub fn run(
         }
     }
     let watch_stop = AtomicBool::new(false);
+    // Ahead-of-time submission: the source mirrors its frames' readiness onto a timeline the
+    // ISP waits on in its queue, and announces each frame before writing it.
+    let ahead = options.ahead
+        && match isp.frames_ready_timeline()? {
+            Some(timeline) => source.mirror_timeline(timeline),
+            None => false,
+        };
+    // Counts the pixels items the encoder has handled (submitted, or dropped by a live ring):
+    // before the ISP queues work that waits for a capture, everything earlier is in the queue,
+    // so the wait holds up nothing but that frame.
+    let encoder_handled = &CpuTimeline::new(0);
+    let source_timeline = source.timeline();
     let stage_names = [
         isp.name().to_string(),
         encoder.name().to_string(),
@@ -301,8 +330,7 @@ pub fn run(
                 &mut *source,
                 &mut frames_tx,
                 &source_stop,
-                every,
-                max_frames,
+                (every, max_frames, ahead),
                 &mut counts,
                 &mut log,
             );
@@ -314,6 +342,7 @@ pub fn run(
         let isp_thread = scope.spawn(move || {
             let mut log = TraceLog::new(origin, 2, "isp", trace);
             let mut done = StageCounts::default();
+            let gate = ahead.then_some((&*source_timeline, encoder_handled));
             let result = pump_isp(
                 &mut frames_rx,
                 &mut pixels_tx,
@@ -321,10 +350,12 @@ pub fn run(
                 &mut done,
                 &mut log,
                 &mut *isp,
+                gate,
             );
             pixels_tx.close();
             frames_rx.abandon();
             done.host_waits = isp.host_waits();
+            done.ahead = isp.frames_submitted_ahead();
             // A live ring's drops, counted once its consumer is done with it.
             done.dropped += frames_rx.dropped();
             (done, log, result.err().map(|e| (isp_name, e)))
@@ -340,7 +371,10 @@ pub fn run(
                 &mut done,
                 &mut log,
                 &mut *encoder,
+                encoder_handled,
             );
+            // Nothing more will be handled: an ISP waiting on this count goes on (and ends).
+            let _ = encoder_handled.signal(u64::MAX);
             done.host_waits = encoder.host_waits();
             embed_tx.close();
             pixels_rx.abandon();
@@ -371,7 +405,7 @@ pub fn run(
             record(
                 &mut report.staleness_ms,
                 report.frames_decoded + 1,
-                ms(start.saturating_duration_since(item.captured)),
+                ms(start.saturating_duration_since(item.captured())),
             );
             on_event(Event::FrameStart { frame: item.frame });
             let result = (|| -> Result<Generation, StageError> {
@@ -406,7 +440,7 @@ pub fn run(
                     record(
                         &mut report.latency.end_to_end,
                         n,
-                        ms(item.captured.elapsed()),
+                        ms(item.captured().elapsed()),
                     );
                     report.kv_utilisation = report.kv_utilisation.max(decoder.kv_utilisation());
                     on_event(Event::FrameDone {
@@ -461,6 +495,7 @@ pub fn run(
         report.frames_preprocessed = isp_counts.done;
         report.frames_encoded = encoder_counts.done;
         report.host_waits[0] = isp_counts.host_waits;
+        report.frames_submitted_ahead = isp_counts.ahead;
         report.host_waits[1] = encoder_counts.host_waits;
         report.latency.isp = isp_counts.latency_ms;
         report.latency.encoder = encoder_counts.latency_ms;
@@ -577,40 +612,69 @@ struct StageCounts {
     dropped: u64,
     latency_ms: Vec<f64>,
     host_waits: u64,
+    /// Frames submitted ahead of their capture (the ISP).
+    ahead: u64,
 }
 
 /// The source worker: pulls frames, samples every `every`-th, and feeds the first ring: a
 /// file blocks until the ISP frees a slot; a live source never waits (its ring keeps the
-/// newest frames and drops older ones).
-#[allow(clippy::too_many_arguments)]
+/// newest frames and drops older ones). With `ahead`, a frame that will be sampled is
+/// published when the source announces it, before it is written, so the ISP's GPU work for it
+/// is queued while the capture is still coming; the frame is always written afterwards (also
+/// when the run stops), so no queued wait is left hanging.
 fn feed(
     source: &mut dyn FrameSource,
     tx: &mut Producer<(Frame, Item)>,
     stop: &AtomicBool,
-    every: u64,
-    max_frames: Option<u64>,
+    (every, max_frames, ahead): (u64, Option<u64>, bool),
     counts: &mut SourceCounts,
     log: &mut TraceLog,
 ) -> Result<(), StageError> {
-    while !stop.load(Ordering::SeqCst) && max_frames.is_none_or(|m| counts.frames_in < m) {
+    let mut open = true;
+    while open && !stop.load(Ordering::SeqCst) && max_frames.is_none_or(|m| counts.frames_in < m) {
+        let index = counts.frames_in;
+        let sampled = index.is_multiple_of(every);
+        let captured = Arc::new(std::sync::OnceLock::new());
+        let mut announced = None;
+        if ahead
+            && sampled
+            && let Some(frame) = source.announce_next()?
+        {
+            let item = Item {
+                frame: frame.sequence,
+                captured: Arc::clone(&captured),
+                published: Instant::now(),
+            };
+            announced = Some(frame.sequence);
+            open = publish(tx, (frame, item), log);
+        }
         let start = Instant::now();
         let Some(frame) = source.next_frame()? else {
             break;
         };
-        let index = counts.frames_in;
+        let _ = captured.set(Instant::now());
         counts.frames_in += 1;
-        if !index.is_multiple_of(every) {
+        if !sampled {
             counts.skipped += 1;
             continue;
         }
         log.span("capture", Some(frame.sequence), start, start.elapsed());
+        if let Some(sequence) = announced {
+            if sequence != frame.sequence {
+                return Err(format!(
+                    "the source announced frame {sequence} and delivered frame {}",
+                    frame.sequence
+                )
+                .into());
+            }
+            continue;
+        }
         let item = Item {
             frame: frame.sequence,
-            captured: Instant::now(),
+            captured,
+            published: Instant::now(),
         };
-        if !publish(tx, (frame, item), log) {
-            return Ok(());
-        }
+        open = publish(tx, (frame, item), log);
     }
     Ok(())
 }
@@ -653,6 +717,7 @@ fn pump_isp(
     counts: &mut StageCounts,
     log: &mut TraceLog,
     isp: &mut dyn IspStage,
+    ahead: Option<(&dyn Timeline, &CpuTimeline)>,
 ) -> Result<(), StageError> {
     loop {
         // Room first (a ring slot, room on the GPU), then the newest frame: a frame never
@@ -665,6 +730,14 @@ fn pump_isp(
             return Ok(());
         };
         let out = Arc::clone(slot.buffer().expect("the ISP's output ring has buffers"));
+        // A frame not captured yet: its work will wait in the queue, so first let the encoder
+        // queue its work on everything published before (the GPU runs one queue in order).
+        if let Some((source, encoder_handled)) = ahead
+            && source.value()? < frame.ready
+            && !wait_cpu(encoder_handled, tx.next_index(), rx)
+        {
+            return Ok(());
+        }
         let start = Instant::now();
         let result = isp.submit(&frame, &out);
         drop(frame);
@@ -679,8 +752,22 @@ fn pump_isp(
             record(&mut counts.latency_ms, counts.done, ms(elapsed));
         }
         let written = ready.timeline_value();
+        let frame_number = item.frame;
         let value = tx.publish_written_after(slot, Ready { item, ready }, written);
-        log.signal(tx.name(), value, Some(item.frame));
+        log.signal(tx.name(), value, Some(frame_number));
+    }
+}
+
+/// Waits until `timeline` reaches `value`, giving up (`false`) when the ring `rx` reads from
+/// is stopped. A wait on another stage's CPU progress, not on the GPU.
+fn wait_cpu<T>(timeline: &CpuTimeline, value: u64, rx: &Consumer<T>) -> bool {
+    loop {
+        if timeline.wait(value, Duration::from_millis(50)).is_ok() {
+            return true;
+        }
+        if rx.stopped() {
+            return false;
+        }
     }
 }
 
@@ -695,7 +782,9 @@ fn pump_encoder(
     counts: &mut StageCounts,
     log: &mut TraceLog,
     encoder: &mut dyn EncoderStage,
+    handled: &CpuTimeline,
 ) -> Result<(), StageError> {
+    let mut received = 0u64;
     loop {
         // Room first, then the newest tensor (as the ISP does).
         let Ok(slot) = tx.reserve() else {
@@ -712,6 +801,7 @@ fn pump_encoder(
             return Ok(());
         };
         let input = input.expect("the pixels ring has buffers");
+        received += 1;
         let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let start = Instant::now();
         let ready = match encoder.submit(item.frame, &input, &pixels_ready, &out) {
@@ -732,13 +822,16 @@ fn pump_encoder(
             None => rx.release(),
         }
         log.span("encode", Some(item.frame), start, elapsed);
+        // Every pixels item so far is submitted or was dropped.
+        let _ = handled.signal(received + rx.dropped());
         counts.done += 1;
         if matches!(ready, Completion::Done) {
             record(&mut counts.latency_ms, counts.done, ms(elapsed));
         }
         let written = ready.timeline_value();
+        let frame_number = item.frame;
         let value = tx.publish_written_after(slot, Ready { item, ready }, written);
-        log.signal(tx.name(), value, Some(item.frame));
+        log.signal(tx.name(), value, Some(frame_number));
     }
 }
 
@@ -820,6 +913,7 @@ impl RunReport {
             "peak_rss_bytes": peak_rss_bytes(),
             "kv_utilisation": self.kv_utilisation,
             "gpu_in_flight_max": self.gpu_in_flight_max,
+            "frames_submitted_ahead": self.frames_submitted_ahead,
             "host_waits_per_frame": {
                 "isp": self.host_waits_per_frame(0),
                 "encoder": self.host_waits_per_frame(1),

@@ -52,6 +52,19 @@ pub trait IspStage: Send {
     fn gpu(&self) -> Option<&GpuContext> {
         None
     }
+    /// A timeline for the source to mirror its frames' readiness onto, which this ISP then
+    /// waits on in its queue for a frame announced before it is written (ahead-of-time
+    /// submission, [`isp_v4l2::FrameSource::announce_next`]); `None` if it cannot wait on the
+    /// device. The chain offers it to the source and announces frames only if both agree.
+    fn frames_ready_timeline(
+        &mut self,
+    ) -> Result<Option<Arc<dyn sync_timeline::Timeline>>, StageError> {
+        Ok(None)
+    }
+    /// Frames whose work it submitted before the frame was written.
+    fn frames_submitted_ahead(&self) -> u64 {
+        0
+    }
     /// Returns once a new frame's work would fit on its engine (see
     /// [`GpuContext::limit_frames_in_flight`]): the chain calls this before it takes the
     /// newest frame, so a frame never ages while the stage waits.
@@ -258,6 +271,7 @@ impl QueueLog {
                 break;
             };
             span.completed = Some(now);
+            span.waits_on = None;
             let ms = now.duration_since(span.submitted).as_secs_f64() * 1e3;
             let at = match self.latency_ms.iter().position(|(s, ..)| *s == span.stage) {
                 Some(at) => at,
@@ -299,6 +313,9 @@ pub struct GpuSpan {
     pub value: u64,
     pub submitted: Instant,
     pub completed: Option<Instant>,
+    /// The timeline the submission waited on in the queue (ahead-of-time submission), kept
+    /// alive while the submission may still wait.
+    pub waits_on: Option<Arc<sync_timeline::vulkan::VulkanTimeline>>,
 }
 
 impl GpuContext {
@@ -487,13 +504,23 @@ impl GpuContext {
     /// Submits `commands` (stage `stage`'s work on `frame`) plus the host-visibility barrier
     /// with a signal of the next value of the completion timeline on the GPU queue, and returns
     /// at once: the value is reached when the queue has finished the submission.
+    ///
+    /// With `wait`, the submission waits in the queue for that timeline value first (ahead-of-
+    /// time submission: the host signals it once it has written what the work reads), behind a
+    /// barrier that makes those host writes visible; the timeline is kept alive until the
+    /// submission is seen complete.
     fn submit_signalled(
         &self,
         stage: &'static str,
         frame: u64,
         commands: wgpu::CommandBuffer,
+        wait: Option<(Arc<sync_timeline::vulkan::VulkanTimeline>, u64)>,
     ) -> Result<Completion, StageError> {
         let barrier = host_read_barrier(&self.device)?;
+        let host_writes = match wait {
+            Some(_) => Some(uvm_alloc::vulkan::host_write_barrier(&self.device)?),
+            None => None,
+        };
         let value = {
             let (mut log, done) = self.room_for(frame)?;
             let value = log.last + 1;
@@ -507,8 +534,20 @@ impl GpuContext {
             let hal = unsafe { self.queue.as_hal::<wgpu::hal::api::Vulkan>() }
                 .ok_or("the GPU stages run on wgpu's Vulkan backend only")?;
             hal.add_signal_semaphore(self.completion.semaphore(), Some(value));
+            if let Some((timeline, ready)) = &wait {
+                // Staged like the signal, for the same submission. The timeline outlives the
+                // wait: the open span below holds it until the submission is seen complete.
+                hal.add_wait_semaphore(
+                    timeline.semaphore(),
+                    Some(*ready),
+                    ash::vk::PipelineStageFlags::COMPUTE_SHADER,
+                );
+            }
             drop(hal);
-            self.queue.submit([commands, barrier]);
+            match host_writes {
+                Some(host_writes) => self.queue.submit([host_writes, commands, barrier]),
+                None => self.queue.submit([commands, barrier]),
+            };
             log.last = value;
             let now = Instant::now();
             if log.open.len() >= OPEN_KEPT {
@@ -520,6 +559,7 @@ impl GpuContext {
                 value,
                 submitted: now,
                 completed: None,
+                waits_on: wait.map(|(timeline, _)| timeline),
             });
             log.in_flight_max = log.in_flight_max.max(log.frames_in_flight(done));
             value
@@ -577,6 +617,11 @@ impl IspStage for CpuIsp {
 pub struct GpuIsp {
     gpu: GpuContext,
     pass: isp_v4l2::gpu::GpuIsp,
+    /// The timeline its source mirrors frame readiness onto (ahead-of-time submission): a
+    /// frame not ready yet is waited for in the queue.
+    frames_ready: Option<Arc<sync_timeline::vulkan::VulkanTimeline>>,
+    /// Frames whose work was submitted before the frame was written.
+    ahead: u64,
 }
 
 impl std::fmt::Debug for GpuIsp {
@@ -591,7 +636,12 @@ impl std::fmt::Debug for GpuIsp {
 impl GpuIsp {
     pub fn new(gpu: GpuContext, params: Preprocess) -> GpuIsp {
         let pass = isp_v4l2::gpu::GpuIsp::new(&gpu.device, params, isp_v4l2::gpu::Elem::F32);
-        GpuIsp { gpu, pass }
+        GpuIsp {
+            gpu,
+            pass,
+            frames_ready: None,
+            ahead: 0,
+        }
     }
 }
 
@@ -612,14 +662,30 @@ impl IspStage for GpuIsp {
         Some(&self.gpu)
     }
 
+    fn frames_ready_timeline(
+        &mut self,
+    ) -> Result<Option<Arc<dyn sync_timeline::Timeline>>, StageError> {
+        let timeline = Arc::new(
+            sync_timeline::vulkan::VulkanTimeline::from_wgpu(&self.gpu.device, 0)
+                .map_err(|e| format!("creating the frames' readiness timeline: {e}"))?,
+        );
+        self.frames_ready = Some(Arc::clone(&timeline));
+        Ok(Some(timeline))
+    }
+
+    fn frames_submitted_ahead(&self) -> u64 {
+        self.ahead
+    }
+
     fn submit(
         &mut self,
         frame: &Frame,
         out: &Arc<UnifiedBuffer>,
     ) -> Result<Completion, StageError> {
-        // SAFETY: a source writes a frame (under its own guard, dropped) before delivering it
-        // and refills its buffer only once the frame's lease is free, which the registration
-        // below holds until the pass is done.
+        // SAFETY: a source writes a frame (under its own guard, dropped) before delivering it,
+        // or, for a frame announced ahead, before it signals the readiness value the pass
+        // waits for in the queue; it refills the buffer only once the frame's lease is free,
+        // which the registration below holds until the pass is done.
         let input = unsafe { self.gpu.import(&frame.buffer) }?;
         // SAFETY: the output slot is the ISP's until it publishes it, and its reader (the
         // encoder, on this queue, or a CPU stage after the completion value) touches it only
@@ -628,9 +694,17 @@ impl IspStage for GpuIsp {
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
         self.pass
             .record(&mut encoder, &frame.desc, &input, &output)?;
+        // A frame announced before its capture: the queue waits for its readiness value.
+        let wait = match &self.frames_ready {
+            Some(t) if sync_timeline::Timeline::value(&**t)? < frame.ready => {
+                Some((Arc::clone(t), frame.ready))
+            }
+            _ => None,
+        };
+        self.ahead += u64::from(wait.is_some());
         let done = self
             .gpu
-            .submit_signalled("isp", frame.sequence, encoder.finish())?;
+            .submit_signalled("isp", frame.sequence, encoder.finish(), wait)?;
         if let Some((timeline, value)) = done.timeline_value() {
             frame.lease.release_after(timeline, value);
         }
@@ -763,7 +837,7 @@ impl EncoderStage for GpuEncoder {
             .record(&self.gpu.device, &mut encoder, &input, &output)
             .map_err(|e| e.to_string())?;
         self.gpu
-            .submit_signalled("encoder", frame, encoder.finish())
+            .submit_signalled("encoder", frame, encoder.finish(), None)
     }
 }
 
