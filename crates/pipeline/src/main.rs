@@ -243,10 +243,10 @@ struct RunArgs {
     /// Deliver file and pattern frames at their rate.
     #[arg(long)]
     realtime: bool,
-    /// Submit each frame's GPU work only once the frame is captured (by default, where the
-    /// source can announce its next frame, the work is queued before and waits on the GPU).
+    /// Queue each frame's GPU work before the frame is captured, waiting on the GPU for the
+    /// source's signal, where the source can announce its next frame (patterns).
     #[arg(long)]
-    no_ahead: bool,
+    ahead: bool,
     /// Slots per ring between stages (one more when live), and the most frames whose GPU work
     /// may be in flight at once.
     #[arg(long)]
@@ -323,7 +323,7 @@ impl RunArgs {
                 .transpose()?
                 .unwrap_or_default(),
             realtime: self.realtime.then_some(true),
-            ahead: self.no_ahead.then_some(false),
+            ahead: self.ahead.then_some(true),
             policy: self.policy.clone(),
             threads: self.threads,
             ctx: self.ctx,

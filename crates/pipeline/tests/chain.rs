@@ -763,6 +763,15 @@ fn frames_overlap_on_the_gpu_and_a_live_stream_describes_the_newest_frame() {
     let stages =
         p50(&report.latency.isp) + p50(&report.latency.encoder) + p50(&report.latency.decoder);
     let end_to_end = p50(&report.latency.end_to_end);
+    eprintln!(
+        "live: {} of {} frames described, encoded {}; capture to reply p50 {end_to_end:.1} ms, \
+         stage p50s sum {stages:.1} ms ({:.2}x), staleness p50 {:.1} ms",
+        report.frames_decoded,
+        report.frames_in,
+        report.frames_encoded,
+        end_to_end / stages,
+        p50(&report.staleness_ms)
+    );
     assert!(
         end_to_end <= 1.5 * stages,
         "capture to reply p50 {end_to_end:.1} ms against stage latencies summing to {stages:.1} ms \

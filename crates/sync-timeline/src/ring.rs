@@ -329,6 +329,18 @@ impl<T, B: Clone> Producer<T, B> {
                 .device_done((self.next % self.shared.slots.len() as u64) as usize)
     }
 
+    /// Whether an item published is waiting, not yet received by the consumer (live rings; a
+    /// lossless ring counts the item the consumer holds too).
+    pub fn has_ready(&self) -> bool {
+        match &self.shared.live {
+            Some(_) => self
+                .shared
+                .live()
+                .is_ok_and(|live| live.states.iter().any(|s| matches!(s, SlotState::Ready(_)))),
+            None => self.next > self.shared.freed.current(),
+        }
+    }
+
     /// Items this ring dropped (live rings only): replaced by newer ones before they were
     /// received.
     pub fn dropped(&self) -> u64 {

@@ -197,6 +197,52 @@ impl Timeline for VulkanTimeline {
     }
 }
 
+/// Waits until any of `points` (timelines of one device) reaches its value, in one driver wait
+/// (`VK_SEMAPHORE_WAIT_ANY_BIT`, no polling); returns the index of one that did.
+pub fn wait_any(points: &[(&VulkanTimeline, u64)], timeout: Duration) -> Result<usize, Error> {
+    let Some((first, _)) = points.first() else {
+        return Err(Error::BadArgument {
+            what: "wait_any needs at least one timeline",
+        });
+    };
+    if points
+        .iter()
+        .any(|(t, _)| t.device.handle() != first.device.handle())
+    {
+        return Err(Error::BadArgument {
+            what: "vulkan::wait_any waits on timelines of one device",
+        });
+    }
+    let semaphores: Vec<vk::Semaphore> = points.iter().map(|(t, _)| t.semaphore).collect();
+    let values: Vec<u64> = points.iter().map(|&(_, v)| v).collect();
+    let info = vk::SemaphoreWaitInfo::default()
+        .flags(vk::SemaphoreWaitFlags::ANY)
+        .semaphores(&semaphores)
+        .values(&values);
+    let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+    // SAFETY: valid semaphores of one device (checked above) and arrays of equal length that
+    // outlive the call.
+    match unsafe { first.device.wait_semaphores(&info, ns) } {
+        Ok(()) => {
+            for (i, (t, v)) in points.iter().enumerate() {
+                if t.value()? >= *v {
+                    return Ok(i);
+                }
+            }
+            Err(Error::Unsupported {
+                what: "vkWaitSemaphores(ANY)",
+                why: "the driver returned success with no timeline at its value".into(),
+            })
+        }
+        Err(vk::Result::TIMEOUT) => Err(Error::Timeout {
+            wanted: points[0].1,
+            reached: first.value()?,
+            timeout,
+        }),
+        Err(e) => Err(vk_err("vkWaitSemaphores")(e)),
+    }
+}
+
 /// Submits to `queue` a batch with no work that waits for every `(timeline, value)` in `waits`
 /// and then signals every one in `signals`: a device-side handoff between timelines.
 ///

@@ -145,7 +145,7 @@ pub struct ChainSpec {
     /// Deliver file and pattern frames at their rate instead of as fast as possible.
     pub realtime: Option<bool>,
     /// Submit a frame's GPU work before its capture lands where the source can announce it
-    /// (default true; `--no-ahead` turns it off).
+    /// (`--ahead`; off by default).
     pub ahead: Option<bool>,
     pub matrix: Option<String>,
     pub range: Option<String>,
@@ -503,7 +503,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
             depth,
             live,
             trace,
-            ahead: spec.ahead.unwrap_or(true),
+            ahead: spec.ahead.unwrap_or(false),
         },
         notes,
     })

@@ -32,6 +32,7 @@
 //! complete.
 
 pub mod builder;
+pub(crate) mod demand;
 #[allow(unsafe_code)]
 pub mod stages;
 pub mod trace;
@@ -88,7 +89,8 @@ pub struct RunOptions {
     /// Record trace events.
     pub trace: bool,
     /// Submit a frame's GPU work before the frame is captured, waiting in the queue for the
-    /// source's signal, where the source and the ISP can (ahead-of-time submission).
+    /// source's signal, where the source and the ISP can (ahead-of-time submission). Off by
+    /// default: it measured no faster on the H200 and slower on lavapipe (README).
     pub ahead: bool,
 }
 
@@ -100,7 +102,7 @@ impl Default for RunOptions {
             depth: 2,
             live: false,
             trace: false,
-            ahead: true,
+            ahead: false,
         }
     }
 }
@@ -193,6 +195,8 @@ struct Item {
     captured: Arc<std::sync::OnceLock<Instant>>,
     /// When the item was published (the capture time's stand-in until it is set).
     published: Instant,
+    /// The value the source's timeline reaches once the frame is written.
+    ready: u64,
 }
 
 impl Item {
@@ -295,6 +299,9 @@ pub fn run(
         }
     }
     let watch_stop = AtomicBool::new(false);
+    // Live streams: when each slow stage will take its next input (see `demand`).
+    let embed_demand = &demand::Demand::new(origin);
+    let pixels_demand = &demand::Demand::new(origin);
     // Ahead-of-time submission: the source mirrors its frames' readiness onto a timeline the
     // ISP waits on in its queue, and announces each frame before writing it.
     let ahead = options.ahead
@@ -307,6 +314,7 @@ pub fn run(
     // so the wait holds up nothing but that frame.
     let encoder_handled = &CpuTimeline::new(0);
     let source_timeline = source.timeline();
+    let frames_written = Arc::clone(&source_timeline);
     let stage_names = [
         isp.name().to_string(),
         encoder.name().to_string(),
@@ -346,7 +354,7 @@ pub fn run(
             let result = pump_isp(
                 &mut frames_rx,
                 &mut pixels_tx,
-                live,
+                live.then_some(pixels_demand),
                 &mut done,
                 &mut log,
                 &mut *isp,
@@ -367,11 +375,11 @@ pub fn run(
             let result = pump_encoder(
                 &mut pixels_rx,
                 &mut embed_tx,
-                live,
+                live.then_some((pixels_demand, embed_demand)),
                 &mut done,
                 &mut log,
                 &mut *encoder,
-                encoder_handled,
+                (encoder_handled, ahead.then_some(&*frames_written)),
             );
             // Nothing more will be handled: an ISP waiting on this count goes on (and ends).
             let _ = encoder_handled.signal(u64::MAX);
@@ -393,7 +401,10 @@ pub fn run(
         // The decoder runs here, so replies stream on the caller's thread.
         let mut log = TraceLog::new(origin, 4, "decoder", trace);
         let mut decoder_failure = None;
+        let mut decode_time = demand::Latency::default();
         loop {
+            // Free: the encoder may produce now (live streams).
+            embed_demand.taking_at(None);
             let received = match receive_newest(&mut embed_rx, live, &mut report.frames_dropped) {
                 Ok(Some(r)) => r,
                 Ok(None) => break,
@@ -402,6 +413,8 @@ pub fn run(
             let (Ready { item, ready }, buffer) = received;
             let buffer = buffer.expect("the embeddings ring has buffers");
             let start = Instant::now();
+            // Busy until about then: the encoder's next item should be ready just before.
+            embed_demand.taking_at(Some(start + decode_time.get()));
             record(
                 &mut report.staleness_ms,
                 report.frames_decoded + 1,
@@ -424,6 +437,7 @@ pub fn run(
             })();
             embed_rx.release();
             let elapsed = start.elapsed();
+            decode_time.add(elapsed);
             log.span("decode", Some(item.frame), start, elapsed);
             match result {
                 Ok(generation) => {
@@ -644,6 +658,7 @@ fn feed(
                 frame: frame.sequence,
                 captured: Arc::clone(&captured),
                 published: Instant::now(),
+                ready: frame.ready,
             };
             announced = Some(frame.sequence);
             open = publish(tx, (frame, item), log);
@@ -673,6 +688,7 @@ fn feed(
             frame: frame.sequence,
             captured,
             published: Instant::now(),
+            ready: frame.ready,
         };
         open = publish(tx, (frame, item), log);
     }
@@ -713,12 +729,14 @@ fn receive_newest<T>(
 fn pump_isp(
     rx: &mut Consumer<(Frame, Item)>,
     tx: &mut Producer<Ready>,
-    live: bool,
+    demand: Option<&demand::Demand>,
     counts: &mut StageCounts,
     log: &mut TraceLog,
     isp: &mut dyn IspStage,
     ahead: Option<(&dyn Timeline, &CpuTimeline)>,
 ) -> Result<(), StageError> {
+    let mut served = None;
+    let mut own = demand::Latency::default();
     loop {
         // Room first (a ring slot, room on the GPU), then the newest frame: a frame never
         // ages while the stage waits.
@@ -726,6 +744,18 @@ fn pump_isp(
             return Ok(());
         };
         isp.wait_for_room()?;
+        // Live: while the encoder has a tensor waiting, produce the next one only in time for
+        // its next take.
+        if let Some(demand) = demand {
+            let lead = isp
+                .gpu()
+                .and_then(|g| g.recent_latency("isp"))
+                .unwrap_or_else(|| own.get());
+            if !demand.wait_until_due(lead, &mut served, || tx.has_ready(), || rx.stopped(), None) {
+                return Ok(());
+            }
+        }
+        let live = demand.is_some();
         let Ok(Some(((frame, item), _))) = receive_newest(rx, live, &mut counts.dropped) else {
             return Ok(());
         };
@@ -734,7 +764,7 @@ fn pump_isp(
         // queue its work on everything published before (the GPU runs one queue in order).
         if let Some((source, encoder_handled)) = ahead
             && source.value()? < frame.ready
-            && !wait_cpu(encoder_handled, tx.next_index(), rx)
+            && !wait_for(encoder_handled, tx.next_index(), rx)
         {
             return Ok(());
         }
@@ -744,6 +774,7 @@ fn pump_isp(
         rx.release();
         let ready = result?;
         let elapsed = start.elapsed();
+        own.add(elapsed);
         log.span("isp", Some(item.frame), start, elapsed);
         counts.done += 1;
         // Work done on this thread: its latency is the call's (a GPU stage's comes from its
@@ -759,8 +790,8 @@ fn pump_isp(
 }
 
 /// Waits until `timeline` reaches `value`, giving up (`false`) when the ring `rx` reads from
-/// is stopped. A wait on another stage's CPU progress, not on the GPU.
-fn wait_cpu<T>(timeline: &CpuTimeline, value: u64, rx: &Consumer<T>) -> bool {
+/// is stopped. A wait on another stage's CPU progress (or a source's capture), not on the GPU.
+fn wait_for<T>(timeline: &dyn Timeline, value: u64, rx: &Consumer<T>) -> bool {
     loop {
         if timeline.wait(value, Duration::from_millis(50)).is_ok() {
             return true;
@@ -778,18 +809,40 @@ fn wait_cpu<T>(timeline: &CpuTimeline, value: u64, rx: &Consumer<T>) -> bool {
 fn pump_encoder(
     rx: &mut Consumer<Ready>,
     tx: &mut Producer<Ready>,
-    live: bool,
+    demands: Option<(&demand::Demand, &demand::Demand)>,
     counts: &mut StageCounts,
     log: &mut TraceLog,
     encoder: &mut dyn EncoderStage,
-    handled: &CpuTimeline,
+    (handled, frames_written): (&CpuTimeline, Option<&dyn Timeline>),
 ) -> Result<(), StageError> {
     let mut received = 0u64;
+    let live = demands.is_some();
+    let mut own = demand::Latency::default();
+    let mut served = None;
     loop {
         // Room first, then the newest tensor (as the ISP does).
         let Ok(slot) = tx.reserve() else {
             return Ok(());
         };
+        // Live: while the decoder has embeddings waiting, encode the next image only in time
+        // for its next take, and tell the ISP when that will be.
+        if let Some((pixels, embeddings)) = demands {
+            let lead = encoder
+                .gpu()
+                .and_then(|g| g.recent_latency("encoder"))
+                .unwrap_or_else(|| own.get());
+            let due = embeddings.wait_until_due(
+                lead,
+                &mut served,
+                || tx.has_ready(),
+                || rx.stopped(),
+                Some(pixels),
+            );
+            if !due {
+                return Ok(());
+            }
+            pixels.taking_at(None);
+        }
         let Ok(Some((
             Ready {
                 item,
@@ -802,6 +855,16 @@ fn pump_encoder(
         };
         let input = input.expect("the pixels ring has buffers");
         received += 1;
+        // A frame announced ahead: the ISP's work on it waits in the queue for the capture.
+        // Work queued behind a waiting submission can block the submitting thread in the
+        // driver (lavapipe's does), so the encoder submits once the frame is written: a wait
+        // for input, on the source's CPU timeline, not for the GPU.
+        if let Some(written) = frames_written
+            && written.value()? < item.ready
+            && !wait_for(written, item.ready, rx)
+        {
+            return Ok(());
+        }
         let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let start = Instant::now();
         let ready = match encoder.submit(item.frame, &input, &pixels_ready, &out) {
@@ -817,6 +880,7 @@ fn pump_encoder(
             }
         };
         let elapsed = start.elapsed();
+        own.add(elapsed);
         match ready.timeline_value() {
             Some((timeline, value)) => rx.release_after(timeline, value),
             None => rx.release(),

@@ -237,6 +237,8 @@ pub struct GpuContext {
     submissions: Arc<std::sync::Mutex<QueueLog>>,
     /// See [`GpuContext::limit_frames_in_flight`].
     in_flight_limit: Arc<std::sync::atomic::AtomicUsize>,
+    /// See [`GpuContext::frames_ready_timeline`].
+    frames_ready: Arc<std::sync::Mutex<Option<Arc<sync_timeline::vulkan::VulkanTimeline>>>>,
 }
 
 /// Imports a [`GpuContext`] keeps: two rings' slots and a source's pool, with room to spare.
@@ -256,7 +258,19 @@ struct QueueLog {
     latency_ms: Vec<(&'static str, u64, Vec<f64>)>,
     /// With tracing on, every completed submission.
     traced: Option<Vec<GpuSpan>>,
+    /// When the frames' readiness timeline (ahead-of-time submission) was seen to reach each
+    /// value, oldest first: a submission that waited for a frame started then, not when it was
+    /// submitted.
+    ready_at: std::collections::VecDeque<(u64, Instant)>,
+    /// When the last retired submission completed: the queue runs in order, so the next one
+    /// started no earlier.
+    last_completed: Option<Instant>,
+    /// Per stage, a moving average of its work's time on the queue.
+    recent: Vec<(&'static str, crate::chain::demand::Latency)>,
 }
+
+/// Readiness times a log keeps (far more than the frames in flight).
+const READY_KEPT: usize = 256;
 
 /// Open submissions a log keeps when nothing retires them (no watcher running): past this,
 /// the oldest are retired as complete when the timeline says so.
@@ -271,8 +285,29 @@ impl QueueLog {
                 break;
             };
             span.completed = Some(now);
+            // The queue started it no earlier than its submission, the end of the work before
+            // it, and for work that waited for its frame, the frame's signal.
+            let mut started = span.submitted;
+            if let Some(previous) = self.last_completed {
+                started = started.max(previous);
+            }
+            if let Some((_, value)) = &span.waits_on
+                && let Some(&(_, at)) = self.ready_at.iter().find(|(v, _)| v >= value)
+            {
+                started = started.max(at);
+            }
+            self.last_completed = Some(now);
             span.waits_on = None;
-            let ms = now.duration_since(span.submitted).as_secs_f64() * 1e3;
+            let took = now.saturating_duration_since(started);
+            match self.recent.iter_mut().find(|(s, _)| *s == span.stage) {
+                Some((_, l)) => l.add(took),
+                None => {
+                    let mut l = crate::chain::demand::Latency::default();
+                    l.add(took);
+                    self.recent.push((span.stage, l));
+                }
+            }
+            let ms = took.as_secs_f64() * 1e3;
             let at = match self.latency_ms.iter().position(|(s, ..)| *s == span.stage) {
                 Some(at) => at,
                 None => {
@@ -313,9 +348,9 @@ pub struct GpuSpan {
     pub value: u64,
     pub submitted: Instant,
     pub completed: Option<Instant>,
-    /// The timeline the submission waited on in the queue (ahead-of-time submission), kept
-    /// alive while the submission may still wait.
-    pub waits_on: Option<Arc<sync_timeline::vulkan::VulkanTimeline>>,
+    /// The timeline and value the submission waited for in the queue (ahead-of-time
+    /// submission); the timeline is kept alive while the submission may still wait.
+    pub waits_on: Option<(Arc<sync_timeline::vulkan::VulkanTimeline>, u64)>,
 }
 
 impl GpuContext {
@@ -347,6 +382,7 @@ impl GpuContext {
             completion: Arc::new(completion),
             submissions: Arc::new(std::sync::Mutex::new(QueueLog::default())),
             in_flight_limit: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            frames_ready: Arc::new(std::sync::Mutex::new(None)),
         })
     }
 
@@ -372,16 +408,23 @@ impl GpuContext {
     }
 
     /// Timestamps submissions as the queue finishes them, until `stop` is raised: the thread
-    /// that runs this wakes once per completed submission (a host wait on the completion
-    /// timeline, in the driver) and otherwise every 50 ms to look at `stop`. It is how the
-    /// chain measures the GPU stages' latencies and draws the trace's GPU track; no stage
-    /// thread waits for the GPU.
+    /// that runs this wakes once per completed submission and once per frame signalled ready
+    /// for work queued ahead of it (one driver wait on both timelines), and otherwise every
+    /// 50 ms to look at `stop`. It is how the chain measures the GPU stages' latencies (from
+    /// submission, or from the frame's signal for work that waited for it, to completion) and
+    /// draws the trace's GPU track; no stage thread waits for the GPU.
     pub fn watch_completions(&self, stop: &std::sync::atomic::AtomicBool) {
         use sync_timeline::Timeline;
+        let ready = self.frames_ready.lock().ok().and_then(|r| r.clone());
         let mut seen = self.completion.value().unwrap_or(0);
+        let mut ready_seen = ready.as_ref().map_or(0, |r| r.value().unwrap_or(0));
         while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-            match self.completion.wait(seen + 1, Duration::from_millis(50)) {
-                Ok(()) => {}
+            let mut points = vec![(&*self.completion, seen + 1)];
+            if let Some(r) = &ready {
+                points.push((&**r, ready_seen + 1));
+            }
+            match sync_timeline::vulkan::wait_any(&points, Duration::from_millis(50)) {
+                Ok(_) => {}
                 Err(sync_timeline::Error::Timeout { .. }) => continue,
                 // A lost device: the stages report it.
                 Err(_) => return,
@@ -390,11 +433,42 @@ impl GpuContext {
             let Ok(done) = self.completion.value() else {
                 return;
             };
-            if let Ok(mut log) = self.submissions.lock() {
-                log.retire(done, now);
+            let Ok(mut log) = self.submissions.lock() else {
+                return;
+            };
+            if let Some(r) = &ready
+                && let Ok(v) = r.value()
+                && v > ready_seen
+            {
+                ready_seen = v;
+                if log.ready_at.len() == READY_KEPT {
+                    log.ready_at.pop_front();
+                }
+                log.ready_at.push_back((v, now));
             }
+            log.retire(done, now);
             seen = done;
         }
+    }
+
+    /// The timeline a source mirrors its frames' readiness onto, for work queued ahead of a
+    /// capture (one per context, made on first use).
+    pub fn frames_ready_timeline(
+        &self,
+    ) -> Result<Arc<sync_timeline::vulkan::VulkanTimeline>, StageError> {
+        let mut ready = self
+            .frames_ready
+            .lock()
+            .map_err(|_| "a GPU submitter panicked")?;
+        if let Some(r) = &*ready {
+            return Ok(Arc::clone(r));
+        }
+        let r = Arc::new(
+            sync_timeline::vulkan::VulkanTimeline::from_wgpu(&self.device, 0)
+                .map_err(|e| format!("creating the frames' readiness timeline: {e}"))?,
+        );
+        *ready = Some(Arc::clone(&r));
+        Ok(r)
     }
 
     /// The most frames that had GPU work submitted and not complete at one time.
@@ -415,6 +489,16 @@ impl GpuContext {
                     .map(|(.., v)| v.clone())
             })
             .unwrap_or_default()
+    }
+
+    /// A moving average of `stage`'s work's time on the queue, once some has completed.
+    pub fn recent_latency(&self, stage: &str) -> Option<Duration> {
+        self.submissions.lock().ok().and_then(|l| {
+            l.recent
+                .iter()
+                .find(|(s, _)| *s == stage)
+                .map(|(_, l)| l.get())
+        })
     }
 
     /// The completed submissions kept since [`GpuContext::trace_submissions`].
@@ -559,7 +643,7 @@ impl GpuContext {
                 value,
                 submitted: now,
                 completed: None,
-                waits_on: wait.map(|(timeline, _)| timeline),
+                waits_on: wait,
             });
             log.in_flight_max = log.in_flight_max.max(log.frames_in_flight(done));
             value
@@ -665,10 +749,7 @@ impl IspStage for GpuIsp {
     fn frames_ready_timeline(
         &mut self,
     ) -> Result<Option<Arc<dyn sync_timeline::Timeline>>, StageError> {
-        let timeline = Arc::new(
-            sync_timeline::vulkan::VulkanTimeline::from_wgpu(&self.gpu.device, 0)
-                .map_err(|e| format!("creating the frames' readiness timeline: {e}"))?,
-        );
+        let timeline = self.gpu.frames_ready_timeline()?;
         self.frames_ready = Some(Arc::clone(&timeline));
         Ok(Some(timeline))
     }
