@@ -152,6 +152,12 @@ const TESTS: &[HardwareTest] = &[
         &[Need::Camera],
     ),
     hw(
+        "pipeline",
+        Target::Test("chain"),
+        "the_frames_handoff_rides_a_drm_syncobj_timeline",
+        &[Need::DrmRenderNode],
+    ),
+    hw(
         "npu-hal",
         Target::Lib,
         "accel::tests::every_accel_node_identifies_its_driver",

@@ -846,3 +846,55 @@ fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
         "the replies differ with work submitted ahead"
     );
 }
+
+/// One handoff of the chain carried as DRM syncobj points: with frames announced ahead of their
+/// capture, a CPU ISP on a machine with a render node gets their readiness as points of a
+/// syncobj timeline, mirrored from the source's, and waits for each frame in the kernel before
+/// reading it. The replies are the same as without announcing, frame for frame. Runs under
+/// `cargo xtask device-test` where a render node with timeline syncobjs exists (the VM lab's
+/// virtio-gpu); ignored (never a pass) elsewhere.
+#[test]
+#[ignore = "hardware: needs a DRM render node with timeline syncobjs (cargo test -- --ignored on a device)"]
+fn the_frames_handoff_rides_a_drm_syncobj_timeline() {
+    let _ledger = ledger_lock();
+    sync_timeline::drm::RenderNode::discover().expect("a render node with timeline syncobjs");
+    let dir = tiny_vlm();
+    let run = |ahead: bool| {
+        let spec = ChainSpec {
+            source: Some("pattern:160x120@30".into()),
+            model: Some(dir.clone()),
+            vlm: Some(dir.clone()),
+            isp: Placement::Cpu,
+            encoder: Placement::Cpu,
+            realtime: Some(true),
+            backpressure: pipeline::chain::builder::Backpressure::Block,
+            ahead: Some(ahead),
+            max_frames: Some(8),
+            max_tokens: Some(4),
+            policy: Some("exact-f32".into()),
+            ..ChainSpec::default()
+        };
+        let built = build(&spec, false).unwrap();
+        let mut replies = std::collections::BTreeMap::<u64, String>::new();
+        let report = pipeline::chain::run(
+            built.chain,
+            &built.options,
+            Arc::new(AtomicBool::new(false)),
+            |e| {
+                if let Event::Text { frame, text } = e {
+                    replies.entry(frame).or_default().push_str(text);
+                }
+            },
+        )
+        .unwrap();
+        assert!(report.failure.is_none(), "{:?}", report.failure);
+        assert_eq!(report.frames_decoded, 8);
+        (report.frames_submitted_ahead, replies)
+    };
+    let (ahead, with) = run(true);
+    let (behind, without) = run(false);
+    println!("{ahead} of 8 frames waited for on the syncobj");
+    assert!(ahead > 0, "no frame was taken ahead of its capture");
+    assert_eq!(behind, 0);
+    assert_eq!(with, without, "the replies differ with the syncobj handoff");
+}

@@ -9,20 +9,24 @@
 //! ```
 //!
 //! While frame N is being decoded, frame N+1 is encoded and N+2 preprocessed: each ring lets
-//! its producer run `depth` items ahead ([`sync_timeline::ring`]). A stage's output tensor is written where
-//! the next stage reads it (the same unified buffer, imported into Vulkan when a GPU stage
-//! touches it), so the per-frame copy count is what the copy ledger says: zero on the GPU path
-//! over unified memory.
+//! its producer run `depth` items ahead ([`sync_timeline::ring`]). A stage's output tensor is
+//! written where the next stage reads it (the same unified buffer, imported into Vulkan once
+//! when a GPU stage touches it), so the per-frame copy count is what the copy ledger says: zero
+//! on the GPU path over unified memory.
 //!
-//! Completion: the encoder publishes its output as soon as its work is submitted, with a
-//! [`Completion`]: on a GPU, a value of a Vulkan timeline semaphore that the queue signals when
-//! the submission finishes. The decoder waits on that value before reading the embeddings; the
-//! encoder waits on it too before handing its input back to the ISP.
+//! Completion: the ISP and the encoder publish their output as soon as its work is submitted,
+//! with a [`Completion`]: on a GPU, a value of a Vulkan timeline semaphore that the queue
+//! signals when the submission finishes. The GPU encoder runs behind the GPU ISP in the same
+//! queue; the decoder waits on the encoder's value before reading the embeddings. A slot whose
+//! reader's device work is still running goes back to its producer released after that work's
+//! value, and a frame's buffer back to its source through the frame's lease, so no stage thread
+//! blocks on the GPU. At most `depth` frames have GPU work in flight.
 //!
-//! Backpressure: a live source (a camera, or a pattern paced in real time) never waits. When
-//! the first ring is full the newest frame waits beside it, replacing (dropping) an older one,
-//! and every consumer takes the newest item it finds, dropping older ones: latest frame wins,
-//! and each drop is counted. A file source blocks instead, so every sampled frame is decoded.
+//! Backpressure: a live source (a camera, or a pattern paced in real time) never waits. Its
+//! rings are latest-wins: a producer replaces the oldest item not yet taken, and every consumer
+//! takes the newest, each drop counted. Upstream of a slow stage, producers work just in time
+//! for its next take ([`demand`]). A file source blocks instead, so every sampled frame is
+//! decoded.
 //!
 //! Shutdown: the source ending (or `stop`, raised by Ctrl-C) closes the first ring; each stage
 //! drains what it received and closes its own output, so frames already encoded are still
@@ -169,7 +173,8 @@ pub struct RunReport {
     pub kv_utilisation: f64,
     /// The most frames whose GPU work was submitted and not yet complete at one time.
     pub gpu_in_flight_max: usize,
-    /// Frames whose ISP work was submitted before the frame was written (ahead of time).
+    /// Frames whose ISP work was submitted before the frame was written (ahead of time; for a
+    /// CPU ISP, frames it took before they were written and waited for on a DRM syncobj).
     pub frames_submitted_ahead: u64,
     /// Per stage (ISP, encoder, decoder), the times its thread blocked waiting for GPU work to
     /// complete (a fence, a timeline value, a device poll). Waiting for input or for room in a
@@ -513,7 +518,7 @@ pub fn run(
         report.host_waits[1] = encoder_counts.host_waits;
         report.latency.isp = isp_counts.latency_ms;
         report.latency.encoder = encoder_counts.latency_ms;
-        // A GPU stage's latency is its work's, submission to completion, as the watcher saw.
+        // A GPU stage's latency is its work's time on the queue, as the watcher saw it.
         for gpu in &gpus {
             report.gpu_in_flight_max = report.gpu_in_flight_max.max(gpu.frames_in_flight_max());
             for (stage, series) in [
@@ -660,11 +665,17 @@ fn feed(
                 published: Instant::now(),
                 ready: frame.ready,
             };
-            announced = Some(frame.sequence);
+            announced = Some((frame.sequence, frame.ready));
             open = publish(tx, (frame, item), log);
         }
         let start = Instant::now();
-        let Some(frame) = source.next_frame()? else {
+        let delivered = source.next_frame();
+        if let (Some((_, ready)), Ok(None) | Err(_)) = (announced, &delivered) {
+            // Work queued for the announced frame waits for its signal: give it, so the queue
+            // goes on (the run ends here anyway).
+            let _ = source.timeline().signal(ready);
+        }
+        let Some(frame) = delivered? else {
             break;
         };
         let _ = captured.set(Instant::now());
@@ -674,7 +685,7 @@ fn feed(
             continue;
         }
         log.span("capture", Some(frame.sequence), start, start.elapsed());
-        if let Some(sequence) = announced {
+        if let Some((sequence, _)) = announced {
             if sequence != frame.sequence {
                 return Err(format!(
                     "the source announced frame {sequence} and delivered frame {}",

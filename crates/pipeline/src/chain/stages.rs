@@ -658,14 +658,25 @@ impl GpuContext {
 }
 
 /// The fused ISP on the CPU ([`isp_v4l2::isp::preprocess`]), writing the tensor in place.
+///
+/// With frames announced ahead of their capture, on a machine with a DRM render node, the
+/// source's readiness reaches it as points of a DRM syncobj timeline: it waits for a frame
+/// not yet written in the kernel (`DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT`), then reads it.
 #[derive(Debug)]
 pub struct CpuIsp {
     params: Preprocess,
+    frames_ready: Option<Arc<sync_timeline::drm::SyncobjTimeline>>,
+    /// Frames it took before they were written (and waited for on the syncobj).
+    ahead: u64,
 }
 
 impl CpuIsp {
     pub fn new(params: Preprocess) -> CpuIsp {
-        CpuIsp { params }
+        CpuIsp {
+            params,
+            frames_ready: None,
+            ahead: 0,
+        }
     }
 }
 
@@ -678,11 +689,42 @@ impl IspStage for CpuIsp {
         3 * self.params.width * self.params.height * 4
     }
 
+    fn frames_ready_timeline(
+        &mut self,
+    ) -> Result<Option<Arc<dyn sync_timeline::Timeline>>, StageError> {
+        // Without a render node the frames are not announced to this ISP (a plain CPU
+        // timeline wait would do, but there is nothing to gain over taking written frames).
+        let Ok(node) = sync_timeline::drm::RenderNode::discover() else {
+            return Ok(None);
+        };
+        let timeline = Arc::new(
+            sync_timeline::drm::SyncobjTimeline::new(Arc::new(node))
+                .map_err(|e| format!("creating the frames' syncobj timeline: {e}"))?,
+        );
+        self.frames_ready = Some(Arc::clone(&timeline));
+        Ok(Some(timeline))
+    }
+
+    fn frames_submitted_ahead(&self) -> u64 {
+        self.ahead
+    }
+
     fn submit(
         &mut self,
         frame: &Frame,
         out: &Arc<UnifiedBuffer>,
     ) -> Result<Completion, StageError> {
+        use sync_timeline::Timeline;
+        if let Some(ready) = &self.frames_ready
+            && ready.value()? < frame.ready
+        {
+            // Announced and not written yet: wait for the source's signal in the kernel (a
+            // wait for input, not for the GPU).
+            self.ahead += 1;
+            ready
+                .wait(frame.ready, GPU_TIMEOUT)
+                .map_err(|e| format!("waiting for frame {} on its syncobj: {e}", frame.sequence))?;
+        }
         let len = frame.desc.byte_len();
         let input = frame.buffer.cpu_access(0..len, Access::Read)?;
         let mut output = out.cpu_access(0..self.output_bytes(), Access::Write)?;
