@@ -254,7 +254,8 @@ struct QueueLog {
     open: std::collections::VecDeque<GpuSpan>,
     /// The most frames with GPU work submitted and not complete at once.
     in_flight_max: usize,
-    /// Per stage, milliseconds from submission to completion, and how many so far.
+    /// Per stage, its work's milliseconds on the queue (see [`QueueLog::retire`]), and how many
+    /// so far.
     latency_ms: Vec<(&'static str, u64, Vec<f64>)>,
     /// With tracing on, every completed submission.
     traced: Option<Vec<GpuSpan>>,
@@ -262,8 +263,8 @@ struct QueueLog {
     /// value, oldest first: a submission that waited for a frame started then, not when it was
     /// submitted.
     ready_at: std::collections::VecDeque<(u64, Instant)>,
-    /// When the last retired submission completed: the queue runs in order, so the next one
-    /// started no earlier.
+    /// When the last batch of retired submissions was seen complete: the queue runs in order,
+    /// so later work started no earlier.
     last_completed: Option<Instant>,
     /// Per stage, a moving average of its work's time on the queue.
     recent: Vec<(&'static str, crate::chain::demand::Latency)>,
@@ -280,6 +281,9 @@ impl QueueLog {
     /// Retires the open submissions the queue has finished (`done` is the timeline's value),
     /// as finished at `now`.
     fn retire(&mut self, done: u64, now: Instant) {
+        // Submissions seen complete together all finished by `now`; each started no earlier
+        // than the previous batch's end.
+        let previous = self.last_completed;
         while self.open.front().is_some_and(|s| s.value <= done) {
             let Some(mut span) = self.open.pop_front() else {
                 break;
@@ -288,7 +292,7 @@ impl QueueLog {
             // The queue started it no earlier than its submission, the end of the work before
             // it, and for work that waited for its frame, the frame's signal.
             let mut started = span.submitted;
-            if let Some(previous) = self.last_completed {
+            if let Some(previous) = previous {
                 started = started.max(previous);
             }
             if let Some((_, value)) = &span.waits_on
