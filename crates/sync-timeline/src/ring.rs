@@ -31,9 +31,14 @@
 //!
 //! # Invariants
 //! - Exactly one [`Producer`] and one [`Consumer`] exist per ring (both are `!Clone`, and
-//!   every method takes `&mut self`), so slot `i % depth` is touched by one side at a time:
-//!   the producer between its reserve and publish of `i`, the consumer between its receive
-//!   and release of `i`. The timelines' `SeqCst` signal and wait order those accesses.
+//!   every method that touches a slot takes `&mut self`), so a slot is touched by one side at
+//!   a time. In a lossless ring, slot `i % depth` is the producer's between its reserve and
+//!   publish of `i` and the consumer's between its receive and release of `i`; the timelines'
+//!   `SeqCst` signal and wait order those accesses. In a live ring, a slot's state says whose
+//!   it is (writing: the producer's; reading: the consumer's; ready: nobody's until one side
+//!   takes it under the mutex).
+//! - A slot that device work still uses (a release after a device value, or in a live ring a
+//!   ready item whose device write is pending) is not written again before that value.
 
 use std::cell::UnsafeCell;
 use std::sync::Arc;
