@@ -6,7 +6,7 @@
 //!   by fd (`V4L2_MEMORY_DMABUF`), so the camera writes into memory the rest of the chain
 //!   already owns.
 //!
-//! Every ioctl goes through [`crate::sys::ioctl`] over UAPI generated from the kernel's
+//! Every ioctl goes through the crate's `sys::ioctl` wrappers over UAPI generated from the kernel's
 //! `videodev2.h` (`cargo xtask codegen`), so the default build needs no libclang.
 //!
 //! Invariants:

@@ -4,7 +4,7 @@
 //! # What is here
 //! - [`ElemFormat`] and the quantization modes ([`QuantOptions`]: the spec's FLOOR scale with
 //!   ties-to-even by default; RCEIL, MSE-searched scales and ties-away as options).
-//! - [`reference`]: the scalar definition of every bit, checked against vectors made with
+//! - [`reference`](mod@reference): the scalar definition of every bit, checked against vectors made with
 //!   ml_dtypes (`fixtures/mx-conformance`).
 //! - [`bulk`]: quantize/dequantize over slices with run-time ISA dispatch ([`Isa`]), bit-exact
 //!   with the reference.

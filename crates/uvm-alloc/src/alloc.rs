@@ -164,7 +164,7 @@ impl UnifiedBuffer {
     ///
     /// # Errors
     /// [`Error::Os`] when the fd cannot be mapped for that length (it is not a dma-buf, or it is
-    /// shorter); zero or overflowing lengths are [`Error::BadSize`]-style errors from
+    /// shorter); zero or overflowing lengths are [`Error::ZeroSize`] and [`Error::TooLarge`], from
     /// [`rounded_size`].
     pub fn import_dma_buf(fd: OwnedFd, len: usize, exporter: &str) -> Result<UnifiedBuffer, Error> {
         // A dma-buf answers DMA_BUF_IOCTL_SYNC; anything else (a file, a memfd) does not, and

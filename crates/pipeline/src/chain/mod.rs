@@ -25,7 +25,7 @@
 //! Backpressure: a live source (a camera, or a pattern paced in real time) never waits. Its
 //! rings are latest-wins: a producer replaces the oldest item not yet taken, and every consumer
 //! takes the newest, each drop counted. Upstream of a slow stage, producers work just in time
-//! for its next take ([`demand`]). A file source blocks instead, so every sampled frame is
+//! for its next take (the `demand` module). A file source blocks instead, so every sampled frame is
 //! decoded.
 //!
 //! Shutdown: the source ending (or `stop`, raised by Ctrl-C) closes the first ring; each stage
