@@ -252,3 +252,34 @@ fn memory_exported_as_an_opaque_fd_is_imported_in_place() {
     // SAFETY: as above; the buffer bound to it is destroyed.
     unsafe { raw.free_memory(memory, None) };
 }
+
+/// An import cache imports a buffer once: the same buffer gives the same `wgpu::Buffer` every
+/// time, another buffer another one, and past its capacity the oldest import goes.
+#[test]
+fn an_import_cache_imports_each_buffer_once() {
+    use uvm_alloc::vulkan::ImportCache;
+    let Some(adapter) = adapter() else { return };
+    let (device, _queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let allocator = Allocator::new(AllocatorDesc {
+        backends: caps.importable_backends(),
+        ..AllocatorDesc::default()
+    })
+    .unwrap();
+    let cache = ImportCache::new(&device, caps, 2);
+    let a = Arc::new(allocator.allocate(4096).unwrap());
+    let b = Arc::new(allocator.allocate(4096).unwrap());
+    let c = Arc::new(allocator.allocate(4096).unwrap());
+    // No device work is ever submitted here, so nothing races the CPU on these buffers.
+    let import = |buffer: &Arc<uvm_alloc::UnifiedBuffer>| {
+        // SAFETY: no device work uses the import (see above).
+        unsafe { cache.get(buffer) }.unwrap()
+    };
+    let (a1, a2, b1) = (import(&a), import(&a), import(&b));
+    assert_eq!(a1, a2, "the same buffer is imported once");
+    assert_ne!(a1, b1);
+    assert_eq!(cache.len(), 2);
+    // A third buffer evicts the oldest import; `a` is imported anew afterwards.
+    let (_c1, a3) = (import(&c), import(&a));
+    assert_eq!(cache.len(), 2);
+    assert_ne!(a1, a3, "an evicted buffer is imported again");
+}

@@ -1158,3 +1158,50 @@ impl DecoderStage for NpuDecoder {
         1.0 - m.available_blocks() as f64 / m.total_blocks().max(1) as f64
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(stage: &'static str, frame: u64, value: u64, submitted: Instant) -> GpuSpan {
+        GpuSpan {
+            stage,
+            frame,
+            value,
+            submitted,
+            completed: None,
+            waits_on: None,
+        }
+    }
+
+    /// Frames in flight count frames, not submissions; a stage's time on the queue starts no
+    /// earlier than the previous batch's end, and never reads as zero for work seen complete
+    /// together with the work before it.
+    #[test]
+    fn the_queue_log_counts_frames_in_flight_and_times_work_on_the_queue() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut log = QueueLog::default();
+        log.open.push_back(span("isp", 0, 1, ms(0)));
+        log.open.push_back(span("encoder", 0, 2, ms(1)));
+        log.open.push_back(span("isp", 1, 3, ms(2)));
+        assert_eq!(log.frames_in_flight(0), 2);
+        assert_eq!(log.frames_in_flight(2), 1, "frame 0's work is done");
+        // The ISP's and the encoder's work on frame 0 are seen complete together at 10 ms.
+        log.retire(2, ms(10));
+        assert_eq!(log.open.len(), 1);
+        let series = |log: &QueueLog, stage: &str| {
+            log.latency_ms
+                .iter()
+                .find(|(s, ..)| *s == stage)
+                .map(|(.., v)| v.clone())
+                .unwrap()
+        };
+        assert_eq!(series(&log, "isp"), [10.0]);
+        assert_eq!(series(&log, "encoder"), [9.0]);
+        // Frame 1's ISP work, submitted at 2 ms, started on the queue at 10 ms at the earliest.
+        log.retire(3, ms(13));
+        assert_eq!(series(&log, "isp"), [10.0, 3.0]);
+        assert_eq!(log.frames_in_flight(3), 0);
+    }
+}
