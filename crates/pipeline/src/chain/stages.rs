@@ -414,9 +414,9 @@ impl GpuContext {
     /// Timestamps submissions as the queue finishes them, until `stop` is raised: the thread
     /// that runs this wakes once per completed submission and once per frame signalled ready
     /// for work queued ahead of it (one driver wait on both timelines), and otherwise every
-    /// 50 ms to look at `stop`. It is how the chain measures the GPU stages' latencies (from
-    /// submission, or from the frame's signal for work that waited for it, to completion) and
-    /// draws the trace's GPU track; no stage thread waits for the GPU.
+    /// 50 ms to look at `stop`. It is how the chain measures the GPU stages' latencies
+    /// ([`GpuContext::latency_ms`]) and draws the trace's GPU track; no stage thread waits for
+    /// the GPU.
     pub fn watch_completions(&self, stop: &std::sync::atomic::AtomicBool) {
         use sync_timeline::Timeline;
         let ready = self.frames_ready.lock().ok().and_then(|r| r.clone());
@@ -480,8 +480,9 @@ impl GpuContext {
         self.submissions.lock().map_or(0, |l| l.in_flight_max)
     }
 
-    /// Milliseconds from submission to completion of `stage`'s work (`isp`, `encoder`), as
-    /// retired so far.
+    /// Milliseconds of `stage`'s work (`isp`, `encoder`) on the queue, per submission retired
+    /// so far: from the latest of its submission, the previous work's completion and its
+    /// frame's signal, to its completion.
     pub fn latency_ms(&self, stage: &str) -> Vec<f64> {
         self.submissions
             .lock()
@@ -614,21 +615,24 @@ impl GpuContext {
             let value = log.last + 1;
             // Registered first, so the semaphore is not destroyed before the queue signals it.
             self.completion.expect_device_signal(value);
-            // SAFETY: the hal queue is only used to stage a semaphore signal for wgpu's next
-            // submission (nothing is destroyed, nothing is submitted behind wgpu's back); the
-            // semaphore lives in `self.completion`, whose drop waits for the value registered
-            // above. Every submitter of this queue holds `submissions` from staging to
-            // submitting, so the signal goes with this submission.
+            // SAFETY: the hal queue is only used to stage a semaphore signal (and a wait) for
+            // wgpu's next submission (nothing is destroyed, nothing is submitted behind wgpu's
+            // back); the signalled semaphore lives in `self.completion`, whose drop waits for the
+            // value registered above, and the waited one in the span below. Every submitter of
+            // this queue holds `submissions` from staging to submitting, so both go with this
+            // submission.
             let hal = unsafe { self.queue.as_hal::<wgpu::hal::api::Vulkan>() }
                 .ok_or("the GPU stages run on wgpu's Vulkan backend only")?;
             hal.add_signal_semaphore(self.completion.semaphore(), Some(value));
             if let Some((timeline, ready)) = &wait {
                 // Staged like the signal, for the same submission. The timeline outlives the
                 // wait: the open span below holds it until the submission is seen complete.
+                // Every stage waits, so the host-write barrier at the batch's start is ordered
+                // after the host's signal too.
                 hal.add_wait_semaphore(
                     timeline.semaphore(),
                     Some(*ready),
-                    ash::vk::PipelineStageFlags::COMPUTE_SHADER,
+                    ash::vk::PipelineStageFlags::ALL_COMMANDS,
                 );
             }
             drop(hal);
