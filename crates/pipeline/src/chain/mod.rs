@@ -320,6 +320,7 @@ pub fn run(
     let encoder_handled = &CpuTimeline::new(0);
     let source_timeline = source.timeline();
     let frames_written = Arc::clone(&source_timeline);
+    let isp_on_gpu = isp.gpu().is_some();
     let stage_names = [
         isp.name().to_string(),
         encoder.name().to_string(),
@@ -355,7 +356,8 @@ pub fn run(
         let isp_thread = scope.spawn(move || {
             let mut log = TraceLog::new(origin, 2, "isp", trace);
             let mut done = StageCounts::default();
-            let gate = ahead.then_some((&*source_timeline, encoder_handled));
+            // Only work that waits in a GPU queue can hold up the encoder's behind it.
+            let gate = (ahead && isp_on_gpu).then_some((&*source_timeline, encoder_handled));
             let result = pump_isp(
                 &mut frames_rx,
                 &mut pixels_tx,
