@@ -19,7 +19,9 @@ use pipeline::vision::{VisionConfig, VisionEncoder};
 use uvm_alloc::UnifiedBuffer;
 
 /// The copy ledger is process-wide: the in-process tests that copy (the CPU encoder moves its
-/// result into the ring) must not run while the zero-copy test reads the ledger.
+/// result into the ring) must not run while the zero-copy test reads the ledger. Every test
+/// that runs a chain holds it, so none runs beside another: the live-latency check compares
+/// figures of one run, and a neighbour loading the two cores would skew them.
 static LEDGER: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn ledger_lock() -> std::sync::MutexGuard<'static, ()> {
@@ -132,6 +134,7 @@ fn the_gpu_chain_decodes_every_sampled_frame_with_zero_copies() {
 /// the issue names, and a trace that parses as Chrome trace JSON.
 #[test]
 fn pipeline_run_writes_replies_stats_and_trace() {
+    let _ledger = ledger_lock();
     let dir = tiny_vlm();
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let stats = out.join("chain-stats.json");
@@ -385,6 +388,7 @@ fn a_live_source_drops_old_frames_and_the_newest_wins() {
 #[test]
 fn ctrl_c_stops_an_endless_run_cleanly() {
     use std::io::Read;
+    let _ledger = ledger_lock();
     let dir = tiny_vlm();
     let stats = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chain-ctrl-c.json");
     let _ = std::fs::remove_file(&stats);
@@ -438,6 +442,7 @@ fn ctrl_c_stops_an_endless_run_cleanly() {
 /// `--regex` constrains every reply: the tiny model's byte tokens can only spell the pattern.
 #[test]
 fn replies_follow_the_regex_given_to_pipeline_run() {
+    let _ledger = ledger_lock();
     let dir = tiny_vlm();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
         .args(["run", "--source", "pattern:64x48@30", "--model"])
@@ -583,6 +588,7 @@ fn bad_chain_descriptions_are_clear_errors() {
 fn the_gpu_encoder_completes_on_a_timeline_its_queue_signals() {
     use pipeline::chain::{Completion, GpuContext, GpuEncoder};
     use sync_timeline::Timeline;
+    let _ledger = ledger_lock();
     let gpu = match GpuContext::open() {
         Ok(gpu) => gpu,
         Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
