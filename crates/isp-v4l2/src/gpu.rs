@@ -1,10 +1,11 @@
 //! The fused ISP pass as a WGSL compute shader ([`ISP_WGSL`]) and the uniform block that drives
-//! it ([`GpuParams`]), writing f32 or packed f16 ([`Elem`]). The crate stays free of any GPU
-//! dependency: a caller with a wgpu (or any WebGPU) device binds the frame's unified buffer (imported as-is, e.g. through uvm-alloc's
-//! wgpu import) at binding 0, the output tensor at binding 1 and the parameters at binding 2,
-//! and dispatches [`GpuParams::workgroups`]. The shader is the CPU reference in [`crate::isp`],
-//! operation for operation; `tests/gpu_isp.rs` holds it to that reference on a real Vulkan
-//! driver (lavapipe in CI).
+//! it ([`GpuParams`]), writing f32 or packed f16 ([`Elem`]). A caller with any WebGPU device
+//! binds the frame's unified buffer (imported as-is, e.g. through uvm-alloc's wgpu import) at
+//! binding 0, the output tensor at binding 1 and the parameters at binding 2, and dispatches
+//! [`GpuParams::workgroups`]. With feature `wgpu`, `GpuIsp` does that on a wgpu device, its
+//! pipeline, uniform and bind groups made once; without it the crate has no GPU dependency. The
+//! shader is the CPU reference in [`crate::isp`], operation for operation; `tests/gpu_isp.rs`
+//! holds it to that reference on a real Vulkan driver (lavapipe in CI).
 
 use crate::Error;
 use crate::format::{FrameDesc, PixelFormat};

@@ -1,5 +1,5 @@
 //! Frame buffers that go round: a source fills the same few unified buffers again and again,
-//! so a GPU stage imports each one once ([`uvm_alloc::vulkan::ImportCache`]) instead of once
+//! so a GPU stage imports each one once (`uvm_alloc::vulkan::ImportCache`, feature `wgpu`) instead of once
 //! per frame.
 //!
 //! A buffer is refilled only when nobody can still be reading it. Two things say so, and a
