@@ -412,11 +412,17 @@ fn run_chain(args: &RunArgs) -> Result<(), Box<dyn std::error::Error>> {
     ] {
         eprintln!("  {name:<20} {}", lat(v));
     }
+    let gpu_stages = report.stage_names[..2]
+        .iter()
+        .any(|name| name.ends_with("-gpu"));
+    if gpu_stages {
+        eprintln!(
+            "GPU: at most {} frames in flight, {} submitted ahead of their capture",
+            report.gpu_in_flight_max, report.frames_submitted_ahead,
+        );
+    }
     eprintln!(
-        "GPU: at most {} frames in flight, {} submitted ahead of their capture; host waits per \
-         frame: isp {:.2}, encoder {:.2}, decoder {:.2}",
-        report.gpu_in_flight_max,
-        report.frames_submitted_ahead,
+        "host waits per frame: isp {:.2}, encoder {:.2}, decoder {:.2}",
         report.host_waits_per_frame(0),
         report.host_waits_per_frame(1),
         report.host_waits_per_frame(2)
