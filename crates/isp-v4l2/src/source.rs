@@ -87,8 +87,10 @@ struct Clock {
     pacing: Pacing,
     rate: f64,
     start: Option<Instant>,
-    timeline: Arc<CpuTimeline>,
-    /// Timelines every signal is repeated on, before `timeline` ([`FrameSource::mirror_timeline`]).
+    cpu: Arc<CpuTimeline>,
+    /// The source's timeline: `cpu`, or once mirrored ([`FrameSource::mirror_timeline`]) a
+    /// fan-out that signals the mirrors first and `cpu` last.
+    timeline: Arc<dyn Timeline>,
     mirrors: Vec<Arc<dyn Timeline>>,
     /// The sequence number of the next frame.
     next: u64,
@@ -98,11 +100,13 @@ struct Clock {
 
 impl Clock {
     fn new(pacing: Pacing, rate: f64) -> Clock {
+        let cpu = Arc::new(CpuTimeline::new(0));
         Clock {
             pacing,
             rate,
             start: None,
-            timeline: Arc::new(CpuTimeline::new(0)),
+            cpu: Arc::clone(&cpu),
+            timeline: cpu,
             mirrors: Vec::new(),
             next: 0,
             announced: None,
@@ -127,22 +131,19 @@ impl Clock {
     /// Waits until frame `sequence` is due (real-time pacing), then publishes it.
     fn publish(&mut self, sequence: u64) -> Result<u64, Error> {
         self.pace(sequence);
-        self.timeline()
+        self.timeline
             .signal(sequence + 1)
             .map_err(Error::Timeline)?;
         Ok(sequence + 1)
     }
 
-    /// The source's timeline: the CPU one, or with mirrors a fan-out that signals them first.
-    fn timeline(&self) -> Arc<dyn Timeline> {
-        if self.mirrors.is_empty() {
-            self.timeline.clone()
-        } else {
-            Arc::new(sync_timeline::bridge::Fanout {
-                primary: self.timeline.clone(),
-                mirrors: self.mirrors.clone(),
-            })
-        }
+    /// Repeats every later signal on `mirror` too.
+    fn mirror(&mut self, mirror: Arc<dyn Timeline>) {
+        self.mirrors.push(mirror);
+        self.timeline = Arc::new(sync_timeline::bridge::Fanout {
+            primary: Arc::clone(&self.cpu) as Arc<dyn Timeline>,
+            mirrors: self.mirrors.clone(),
+        });
     }
 
     /// The buffer for the next frame: the announced one, or a fresh one from `pool`.
@@ -266,11 +267,11 @@ impl FrameSource for PatternSource {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.clock.timeline()
+        Arc::clone(&self.clock.timeline)
     }
 
     fn mirror_timeline(&mut self, mirror: Arc<dyn Timeline>) -> bool {
-        self.clock.mirrors.push(mirror);
+        self.clock.mirror(mirror);
         true
     }
 
@@ -506,7 +507,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.clock.timeline()
+        Arc::clone(&self.clock.timeline)
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
@@ -672,7 +673,7 @@ impl FrameSource for ImageSource {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.clock.timeline()
+        Arc::clone(&self.clock.timeline)
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {

@@ -787,6 +787,49 @@ fn frames_overlap_on_the_gpu_and_a_live_stream_describes_the_newest_frame() {
     );
 }
 
+/// A real-time pattern (`source`) through the tiny SmolVLM, blocking, with the ISP and the
+/// encoder placed at `place`, `frames` frames, with or without ahead-of-time submission.
+fn ahead_spec(source: &str, place: Placement, frames: u64, ahead: bool) -> ChainSpec {
+    let dir = tiny_vlm();
+    ChainSpec {
+        source: Some(source.into()),
+        model: Some(dir.clone()),
+        vlm: Some(dir),
+        isp: place,
+        encoder: place,
+        realtime: Some(true),
+        backpressure: pipeline::chain::builder::Backpressure::Block,
+        ahead: Some(ahead),
+        max_frames: Some(frames),
+        max_tokens: Some(4),
+        policy: Some("exact-f32".into()),
+        ..ChainSpec::default()
+    }
+}
+
+/// Runs `built` to its end; its report and each frame's reply.
+fn run_collecting_replies(
+    built: pipeline::chain::builder::Built,
+) -> (
+    pipeline::chain::RunReport,
+    std::collections::BTreeMap<u64, String>,
+) {
+    let mut replies = std::collections::BTreeMap::<u64, String>::new();
+    let report = pipeline::chain::run(
+        built.chain,
+        &built.options,
+        Arc::new(AtomicBool::new(false)),
+        |e| {
+            if let Event::Text { frame, text } = e {
+                replies.entry(frame).or_default().push_str(text);
+            }
+        },
+    )
+    .unwrap();
+    assert!(report.failure.is_none(), "{:?}", report.failure);
+    (report, replies)
+}
+
 /// Ahead-of-time submission: with a real-time pattern (written when each frame is due, as a
 /// camera would), the GPU ISP's work for a frame is queued before the frame is written and
 /// waits on the GPU for the source's signal. The replies are the same as with the work
@@ -796,22 +839,8 @@ fn frames_overlap_on_the_gpu_and_a_live_stream_describes_the_newest_frame() {
 #[test]
 fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
     let _ledger = ledger_lock();
-    let dir = tiny_vlm();
     let run = |ahead: bool| {
-        let spec = ChainSpec {
-            source: Some("pattern:320x240@30".into()),
-            model: Some(dir.clone()),
-            vlm: Some(dir.clone()),
-            isp: Placement::Gpu,
-            encoder: Placement::Gpu,
-            realtime: Some(true),
-            backpressure: pipeline::chain::builder::Backpressure::Block,
-            ahead: Some(ahead),
-            max_frames: Some(12),
-            max_tokens: Some(4),
-            policy: Some("exact-f32".into()),
-            ..ChainSpec::default()
-        };
+        let spec = ahead_spec("pattern:320x240@30", Placement::Gpu, 12, ahead);
         let built = match build(&spec, true) {
             Ok(b) => b,
             Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
@@ -820,19 +849,7 @@ fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
             }
             Err(e) => panic!("{e}"),
         };
-        let mut replies = std::collections::BTreeMap::<u64, String>::new();
-        let report = pipeline::chain::run(
-            built.chain,
-            &built.options,
-            Arc::new(AtomicBool::new(false)),
-            |e| {
-                if let Event::Text { frame, text } = e {
-                    replies.entry(frame).or_default().push_str(text);
-                }
-            },
-        )
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let (report, replies) = run_collecting_replies(built);
         assert_eq!(report.frames_decoded, 12);
         assert_eq!(report.host_waits_per_frame(0), 0.0);
         assert_eq!(report.host_waits_per_frame(1), 0.0);
@@ -865,36 +882,9 @@ fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
 fn the_frames_handoff_rides_a_drm_syncobj_timeline() {
     let _ledger = ledger_lock();
     sync_timeline::drm::RenderNode::discover().expect("a render node with timeline syncobjs");
-    let dir = tiny_vlm();
     let run = |ahead: bool| {
-        let spec = ChainSpec {
-            source: Some("pattern:160x120@30".into()),
-            model: Some(dir.clone()),
-            vlm: Some(dir.clone()),
-            isp: Placement::Cpu,
-            encoder: Placement::Cpu,
-            realtime: Some(true),
-            backpressure: pipeline::chain::builder::Backpressure::Block,
-            ahead: Some(ahead),
-            max_frames: Some(8),
-            max_tokens: Some(4),
-            policy: Some("exact-f32".into()),
-            ..ChainSpec::default()
-        };
-        let built = build(&spec, false).unwrap();
-        let mut replies = std::collections::BTreeMap::<u64, String>::new();
-        let report = pipeline::chain::run(
-            built.chain,
-            &built.options,
-            Arc::new(AtomicBool::new(false)),
-            |e| {
-                if let Event::Text { frame, text } = e {
-                    replies.entry(frame).or_default().push_str(text);
-                }
-            },
-        )
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let spec = ahead_spec("pattern:160x120@30", Placement::Cpu, 8, ahead);
+        let (report, replies) = run_collecting_replies(build(&spec, false).unwrap());
         assert_eq!(report.frames_decoded, 8);
         (report.frames_submitted_ahead, replies)
     };

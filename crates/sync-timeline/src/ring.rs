@@ -591,21 +591,6 @@ impl<T, B: Clone> Consumer<T, B> {
         }
     }
 
-    /// Whether an item newer than the one last received is already published (a live
-    /// consumer then skips to it). Call between [`Consumer::receive`] and
-    /// [`Consumer::release`]. A live ring's receive takes the newest already: always false.
-    pub fn newer_available(&self) -> bool {
-        if self.shared.live.is_some() {
-            return false;
-        }
-        let published = self
-            .shared
-            .filled
-            .current()
-            .min(self.shared.end.load(Ordering::SeqCst));
-        published > self.next + 1
-    }
-
     /// Gives the last received item's slot back to the producer once `timeline` reaches
     /// `value`: the device work that reads the slot's buffer, submitted and not waited for.
     pub fn release_after(&mut self, timeline: Arc<dyn Timeline>, value: u64) {

@@ -557,11 +557,6 @@ impl ImportCache {
         }
     }
 
-    /// The device's import capabilities.
-    pub fn caps(&self) -> &ImportCaps {
-        &self.caps
-    }
-
     /// Imports made so far and still held.
     pub fn len(&self) -> usize {
         self.entries.lock().map_or(0, |e| e.len())

@@ -412,7 +412,8 @@ pub fn run(
         loop {
             // Free: the encoder may produce now (live streams).
             embed_demand.taking_at(None);
-            let received = match receive_newest(&mut embed_rx, live, &mut report.frames_dropped) {
+            // A live ring hands over its newest item and counts the older ones as dropped.
+            let received = match embed_rx.receive() {
                 Ok(Some(r)) => r,
                 Ok(None) => break,
                 Err(Ended::Stopped | Ended::Closed) => break,
@@ -511,8 +512,7 @@ pub fn run(
         report.frames_in = source_counts.frames_in;
         report.frames_dropped_at_capture = source_counts.lost_at_capture;
         report.frames_skipped = source_counts.skipped;
-        report.frames_dropped +=
-            source_counts.dropped + isp_counts.dropped + encoder_counts.dropped;
+        report.frames_dropped += isp_counts.dropped + encoder_counts.dropped;
         report.frames_preprocessed = isp_counts.done;
         report.frames_encoded = encoder_counts.done;
         report.host_waits[0] = isp_counts.host_waits;
@@ -623,7 +623,6 @@ pub(crate) fn record(samples: &mut Vec<f64>, n: u64, value: f64) {
 struct SourceCounts {
     frames_in: u64,
     skipped: u64,
-    dropped: u64,
     lost_at_capture: u64,
 }
 
@@ -720,22 +719,6 @@ fn publish(tx: &mut Producer<(Frame, Item)>, w: (Frame, Item), log: &mut TraceLo
     true
 }
 
-/// Receives the next item; a live consumer skips to the newest published one, releasing (and
-/// counting) the older ones.
-fn receive_newest<T>(
-    rx: &mut Consumer<T>,
-    live: bool,
-    dropped: &mut u64,
-) -> Result<Option<ring::Received<T, Arc<UnifiedBuffer>>>, Ended> {
-    let mut got = rx.receive()?;
-    while live && got.is_some() && rx.newer_available() {
-        rx.release();
-        *dropped += 1;
-        got = rx.receive()?;
-    }
-    Ok(got)
-}
-
 /// The ISP worker's loop: frames in, tensors out. A tensor is published as soon as its work
 /// is submitted, with its completion; the frame goes back to the source at once, its lease
 /// keeping the buffer from a refill until the device work reading it is done.
@@ -768,8 +751,7 @@ fn pump_isp(
                 return Ok(());
             }
         }
-        let live = demand.is_some();
-        let Ok(Some(((frame, item), _))) = receive_newest(rx, live, &mut counts.dropped) else {
+        let Ok(Some(((frame, item), _))) = rx.receive() else {
             return Ok(());
         };
         let out = Arc::clone(slot.buffer().expect("the ISP's output ring has buffers"));
@@ -829,7 +811,6 @@ fn pump_encoder(
     (handled, frames_written): (&CpuTimeline, Option<&dyn Timeline>),
 ) -> Result<(), StageError> {
     let mut received = 0u64;
-    let live = demands.is_some();
     let mut own = demand::Latency::default();
     let mut served = None;
     loop {
@@ -862,7 +843,7 @@ fn pump_encoder(
                 ready: pixels_ready,
             },
             input,
-        ))) = receive_newest(rx, live, &mut counts.dropped)
+        ))) = rx.receive()
         else {
             return Ok(());
         };

@@ -168,15 +168,6 @@ impl Completion {
         }
     }
 
-    /// Whether the output is complete now (never blocks).
-    pub fn is_done(&self) -> bool {
-        use sync_timeline::Timeline;
-        match self {
-            Completion::Done => true,
-            Completion::Gpu { timeline, value } => timeline.value().is_ok_and(|v| v >= *value),
-        }
-    }
-
     /// The timeline and value, for a GPU completion.
     pub fn timeline_value(&self) -> Option<(Arc<dyn sync_timeline::Timeline>, u64)> {
         match self {
@@ -254,9 +245,8 @@ struct QueueLog {
     open: std::collections::VecDeque<GpuSpan>,
     /// The most frames with GPU work submitted and not complete at once.
     in_flight_max: usize,
-    /// Per stage, its work's milliseconds on the queue (see [`QueueLog::retire`]), and how many
-    /// so far.
-    latency_ms: Vec<(&'static str, u64, Vec<f64>)>,
+    /// Per stage (`isp`, `encoder`), its work's times on the queue (see [`QueueLog::retire`]).
+    stages: Vec<StageTimes>,
     /// With tracing on, every completed submission.
     traced: Option<Vec<GpuSpan>>,
     /// When the frames' readiness timeline (ahead-of-time submission) was seen to reach each
@@ -266,8 +256,18 @@ struct QueueLog {
     /// When the last batch of retired submissions was seen complete: the queue runs in order,
     /// so later work started no earlier.
     last_completed: Option<Instant>,
-    /// Per stage, a moving average of its work's time on the queue.
-    recent: Vec<(&'static str, crate::chain::demand::Latency)>,
+}
+
+/// One stage's work's times on the queue.
+#[derive(Debug)]
+struct StageTimes {
+    stage: &'static str,
+    /// Submissions retired so far.
+    count: u64,
+    /// Milliseconds each, bounded as the chain's latency series are.
+    ms: Vec<f64>,
+    /// A moving average, for the stage's just-in-time lead.
+    recent: crate::chain::demand::Latency,
 }
 
 /// Readiness times a log keeps (far more than the frames in flight).
@@ -278,6 +278,10 @@ const READY_KEPT: usize = 256;
 const OPEN_KEPT: usize = 1024;
 
 impl QueueLog {
+    fn stage(&self, stage: &str) -> Option<&StageTimes> {
+        self.stages.iter().find(|t| t.stage == stage)
+    }
+
     /// Retires the open submissions the queue has finished (`done` is the timeline's value),
     /// as finished at `now`.
     fn retire(&mut self, done: u64, now: Instant) {
@@ -303,25 +307,22 @@ impl QueueLog {
             self.last_completed = Some(now);
             span.waits_on = None;
             let took = now.saturating_duration_since(started);
-            match self.recent.iter_mut().find(|(s, _)| *s == span.stage) {
-                Some((_, l)) => l.add(took),
-                None => {
-                    let mut l = crate::chain::demand::Latency::default();
-                    l.add(took);
-                    self.recent.push((span.stage, l));
-                }
-            }
-            let ms = took.as_secs_f64() * 1e3;
-            let at = match self.latency_ms.iter().position(|(s, ..)| *s == span.stage) {
+            let at = match self.stages.iter().position(|t| t.stage == span.stage) {
                 Some(at) => at,
                 None => {
-                    self.latency_ms.push((span.stage, 0, Vec::new()));
-                    self.latency_ms.len() - 1
+                    self.stages.push(StageTimes {
+                        stage: span.stage,
+                        count: 0,
+                        ms: Vec::new(),
+                        recent: crate::chain::demand::Latency::default(),
+                    });
+                    self.stages.len() - 1
                 }
             };
-            let (_, n, series) = &mut self.latency_ms[at];
-            *n += 1;
-            crate::chain::record(series, *n, ms);
+            let times = &mut self.stages[at];
+            times.count += 1;
+            times.recent.add(took);
+            crate::chain::record(&mut times.ms, times.count, took.as_secs_f64() * 1e3);
             if let Some(traced) = &mut self.traced {
                 traced.push(span);
             }
@@ -487,23 +488,16 @@ impl GpuContext {
         self.submissions
             .lock()
             .ok()
-            .and_then(|l| {
-                l.latency_ms
-                    .iter()
-                    .find(|(s, ..)| *s == stage)
-                    .map(|(.., v)| v.clone())
-            })
+            .and_then(|l| l.stage(stage).map(|t| t.ms.clone()))
             .unwrap_or_default()
     }
 
     /// A moving average of `stage`'s work's time on the queue, once some has completed.
     pub fn recent_latency(&self, stage: &str) -> Option<Duration> {
-        self.submissions.lock().ok().and_then(|l| {
-            l.recent
-                .iter()
-                .find(|(s, _)| *s == stage)
-                .map(|(_, l)| l.get())
-        })
+        self.submissions
+            .lock()
+            .ok()
+            .and_then(|l| l.stage(stage).map(|t| t.recent.get()))
     }
 
     /// The completed submissions kept since [`GpuContext::trace_submissions`].
@@ -1194,13 +1188,7 @@ mod tests {
         // The ISP's and the encoder's work on frame 0 are seen complete together at 10 ms.
         log.retire(2, ms(10));
         assert_eq!(log.open.len(), 1);
-        let series = |log: &QueueLog, stage: &str| {
-            log.latency_ms
-                .iter()
-                .find(|(s, ..)| *s == stage)
-                .map(|(.., v)| v.clone())
-                .unwrap()
-        };
+        let series = |log: &QueueLog, stage: &str| log.stage(stage).unwrap().ms.clone();
         assert_eq!(series(&log, "isp"), [10.0]);
         assert_eq!(series(&log, "encoder"), [9.0]);
         // Frame 1's ISP work, submitted at 2 ms, started on the queue at 10 ms at the earliest.
