@@ -108,6 +108,9 @@ pub struct MxMatrix {
     scales: Vec<u8>,
     /// `[tile][block]` tile-blocks, each [`tile_block_bytes`] long.
     lines: Vec<Line>,
+    /// Whether the stored rows are block-rotated ([`crate::hadamard::rotate_weights`]), so the
+    /// activations they meet must be rotated too ([`crate::hadamard::rotate_activations`]).
+    block_rotation: bool,
 }
 
 impl MxMatrix {
@@ -274,6 +277,7 @@ impl MxMatrix {
             cols,
             scales: vec![0; tile_blocks * TILE_ROWS],
             lines: vec![Line([0; 128]); bytes / 128],
+            block_rotation: false,
         })
     }
 
@@ -332,6 +336,20 @@ impl MxMatrix {
             }
         });
         (self.scales[tb * TILE_ROWS + r], codes)
+    }
+
+    /// Marks the stored rows as block-rotated (or not): the weights are `H w / 32` per block,
+    /// and whoever multiplies by this matrix must pass activations through
+    /// [`crate::hadamard::rotate_activations`] first. [`MxMatrix::gemm_q8`] and
+    /// [`MxMatrix::gemm_f32`] take activations as they are; the flag tells the caller.
+    pub fn with_block_rotation(mut self, rotated: bool) -> MxMatrix {
+        self.block_rotation = rotated;
+        self
+    }
+
+    /// Whether the rows are block-rotated (see [`MxMatrix::with_block_rotation`]).
+    pub fn block_rotation(&self) -> bool {
+        self.block_rotation
     }
 
     /// The element format.

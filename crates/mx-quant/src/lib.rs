@@ -9,6 +9,8 @@
 //! - [`bulk`]: quantize/dequantize over slices with run-time ISA dispatch ([`Isa`]), bit-exact
 //!   with the reference.
 //! - [`layout`]: the linear packed layout and llama.cpp's `block_mxfp4` (GGUF interop).
+//! - [`gptq`]: error-compensating quantization (GPTQ with MX block scales), given a layer's
+//!   input Hessian; [`hadamard`]: 32-point block rotations of weights and activations.
 //!
 //! # Design
 //! - The reference is the spec; SIMD variants live in their own modules (`x86/`), are chosen at
@@ -44,6 +46,8 @@
 pub mod bulk;
 mod format;
 pub mod gemv;
+pub mod gptq;
+pub mod hadamard;
 mod isa;
 pub mod layout;
 pub mod quality;
@@ -96,4 +100,10 @@ pub enum Error {
     /// A kernel was asked for an instruction set this CPU lacks.
     #[error("instruction set {} is not available on this CPU; use `Isa::detect()`", isa.name())]
     IsaUnavailable { isa: Isa },
+    /// A Hessian given to [`gptq`] cannot be factored.
+    #[error("the calibration Hessian cannot be used: {reason}")]
+    BadHessian { reason: &'static str },
+    /// Weights given to [`gptq`] hold NaN or infinite values.
+    #[error("the weights hold NaN or infinite values; check the model file")]
+    BadWeights,
 }

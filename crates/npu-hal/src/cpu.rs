@@ -60,6 +60,8 @@ struct Scratch {
     q8: Vec<Q8Activations>,
     /// Rounded activations for dense linear layers.
     rounded: Vec<f32>,
+    /// Block-rotated activations for rotated MX matrices.
+    rotated: Vec<f32>,
     /// Per-row 8-bit activations for ggml block weights.
     blocks: Vec<crate::ggml::QuantizedActivations>,
 }
@@ -149,7 +151,12 @@ impl CpuNpu {
                         });
                     }
                     match w {
-                        Weight::Mx(m) => m.dequantize_row(t, row)?,
+                        Weight::Mx(m) => {
+                            m.dequantize_row(t, row)?;
+                            if m.block_rotation() {
+                                mx_quant::hadamard::unrotate_weights(row)?;
+                            }
+                        }
                         Weight::Dense(d) => row.copy_from_slice(d.row(t)),
                         Weight::Block(m) => m.dequantize_row(t, row),
                         Weight::Vector(v) => row.copy_from_slice(v),
@@ -352,6 +359,7 @@ fn linear(
     let Scratch {
         q8,
         rounded,
+        rotated,
         blocks,
     } = scratch;
     let (rows, cols) = w.shape();
@@ -377,6 +385,16 @@ fn linear(
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert(e);
+    };
+    // A block-rotated matrix meets block-rotated activations (`mx_quant::hadamard`).
+    let x = match w {
+        Weight::Mx(m) if m.block_rotation() => {
+            rotated.clear();
+            rotated.extend_from_slice(&x[..tokens * cols]);
+            mx_quant::hadamard::rotate_activations(rotated)?;
+            &rotated[..]
+        }
+        _ => x,
     };
     match w {
         Weight::Mx(m) if m.supports_q8() => {

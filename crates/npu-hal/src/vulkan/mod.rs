@@ -1913,6 +1913,16 @@ impl Device for VulkanNpu {
         let id = u32::try_from(self.weights.len()).map_err(|_| Error::Limit { what: "weights" })?;
         let (rows, cols) = weight.shape();
         let bytes = weight.bytes();
+        if let Weight::Mx(m) = &weight
+            && m.block_rotation()
+        {
+            return Err(Error::Unsupported {
+                what: "a block-rotated MX matrix",
+                why: "the GPU kernels do not rotate activations yet; run this model on the CPU \
+                      NPU (--device cpu) or quantize it without --rotate"
+                    .into(),
+            });
+        }
         let gpu = match planes(&weight) {
             Some((format, codes, scales)) => {
                 if let WeightFormat::Mx(f) = format {
