@@ -44,7 +44,7 @@ pub enum DecodeError {
     )]
     ContextFull { wanted: usize, ctx: usize },
     #[error(
-        "unknown weight policy {0:?}: use exact, default, fastest, int8, or a list like attn=fp6,mlp=fp4,embd=int8"
+        "unknown weight policy {0:?}: use exact, exact-f32, default, fastest, fp4, smallest, int8, or a list like attn=fp6,mlp=fp4,embd=int8"
     )]
     UnknownPolicy(String),
     #[error("token id {id} is outside the vocabulary of {vocab}")]
@@ -160,6 +160,14 @@ impl WeightPolicy {
                 mlp_down: Storage::Mx(Fp4E2M1),
                 ..uniform("fp4", Storage::Exact)
             },
+            "smallest" => WeightPolicy {
+                embedding: Storage::Mx(Fp6E2M3),
+                output: Storage::Mx(Fp6E2M3),
+                attention: Storage::Mx(Fp4E2M1),
+                mlp_in: Storage::Mx(Fp4E2M1),
+                mlp_down: Storage::Mx(Fp4E2M1),
+                ..uniform("smallest", Storage::Exact)
+            },
             spec if spec.contains('=') => {
                 let mut p = uniform(spec, Storage::Exact);
                 for item in spec.split(',') {
@@ -195,7 +203,8 @@ impl WeightPolicy {
         })
     }
 
-    fn storage(&self, class: TensorClass) -> Storage {
+    /// How `class` is stored.
+    pub fn storage(&self, class: TensorClass) -> Storage {
         match class {
             TensorClass::Embedding => self.embedding,
             TensorClass::Output => self.output,
@@ -283,6 +292,8 @@ pub struct Decoder {
     /// Host copy of the head's logits, reused across calls (an error path may drop it; the
     /// next call reallocates).
     logits_scratch: Vec<f32>,
+    /// The name of every matrix, by its id on the device.
+    matrix_names: std::collections::HashMap<WeightId, String>,
 }
 
 impl Decoder {
@@ -303,6 +314,7 @@ impl Decoder {
             bits: 0.0,
             cache: None,
             writer: None,
+            names: Default::default(),
         };
         // The matrices in load order (the cache is written in this order).
         let mut order = vec![("token_embd".to_string(), TensorClass::Embedding)];
@@ -506,6 +518,7 @@ impl Decoder {
             timeline,
             tick,
             logits_scratch: Vec::new(),
+            matrix_names: std::mem::take(&mut loading.names),
         };
         d.kv.add_sequence(d.seq, &[])?;
         Ok(d)
@@ -696,6 +709,108 @@ impl Decoder {
         Ok(())
     }
 
+    /// Runs `tokens` through the model as one batch in a fresh sequence (at most
+    /// [`DecoderOptions::max_batch`] of them) and shows every linear layer's input to `observe`:
+    /// the names of the matrices that read it (`blk.0.attn_q`, ...; the output head is
+    /// `token_embd` when tied, else `output`) and its `tokens.len() x width` rows. What
+    /// calibration (`crate::quantize`) collects its statistics from. The program runs in
+    /// segments, cut before each group of linear layers, so each input is read where it is.
+    ///
+    /// # Errors
+    /// As [`Decoder::forward`], and [`DecodeError::BadInput`] for an empty or too long batch.
+    pub fn observe_linear_inputs(
+        &mut self,
+        tokens: &[u32],
+        mut observe: impl FnMut(&[&str], &[f32]),
+    ) -> Result<(), DecodeError> {
+        let max = self.options.max_batch.max(1);
+        if tokens.is_empty() || tokens.len() > max {
+            return Err(DecodeError::BadInput(format!(
+                "a calibration batch takes 1 to {max} tokens, not {}",
+                tokens.len()
+            )));
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(DecodeError::BadToken { id, vocab });
+        }
+        self.reset()?;
+        let appended = self.kv.append(self.seq, tokens)?;
+        // Cut points: the first of each run of linear layers that read the same tensor.
+        let mut cuts = Vec::new();
+        let mut previous = None;
+        for (i, op) in self.body.iter().enumerate() {
+            let reads = match op {
+                Op::Linear { x, .. } => Some(*x),
+                _ => None,
+            };
+            if reads.is_some() && reads != previous {
+                cuts.push(i);
+            }
+            previous = reads;
+        }
+        let head_x = match self.head.first() {
+            Some(Op::Linear { x, weight, .. }) => Some((*x, *weight)),
+            _ => None,
+        };
+        let n = tokens.len();
+        let mut rows = Vec::new();
+        let mut start = 0;
+        let result = (|| {
+            for end in cuts.iter().copied().chain([self.body.len()]) {
+                let timeline: &dyn Timeline = &*self.timeline;
+                self.device.submit(Submission {
+                    ops: &self.body[start..end],
+                    batch: Batch {
+                        tokens,
+                        first_pos: 0,
+                        seq: self.seq,
+                        slots: &appended.slots,
+                        select: 0..0,
+                        embeddings: None,
+                    },
+                    kv: Some(&mut self.kv),
+                    wait: Some((timeline, self.tick)),
+                    signal: Some((timeline, self.tick + 1)),
+                })?;
+                self.tick += 1;
+                start = end;
+                // The linear layers from this cut on that read one tensor, or the head's input
+                // after the last segment.
+                let (x, names): (TensorId, Vec<&str>) = if end < self.body.len() {
+                    let Op::Linear { x, .. } = self.body[end] else {
+                        unreachable!("cuts are at linear layers")
+                    };
+                    let names = self.body[end..]
+                        .iter()
+                        .map_while(|op| match op {
+                            Op::Linear { x: read, weight, .. } if *read == x => Some(*weight),
+                            _ => None,
+                        })
+                        .filter_map(|w| self.matrix_names.get(&w).map(String::as_str))
+                        .collect();
+                    (x, names)
+                } else if let Some((x, w)) = head_x {
+                    (x, self.matrix_names.get(&w).map(String::as_str).into_iter().collect())
+                } else {
+                    break;
+                };
+                let (width, _) = self.device.tensor_shape(x).ok_or_else(|| {
+                    DecodeError::BadInput("a linear layer reads a tensor the device lacks".into())
+                })?;
+                rows.resize(n * width, 0.0);
+                self.device.read_tensor(x, 0..n, &mut rows)?;
+                observe(&names, &rows);
+            }
+            Ok(())
+        })();
+        self.len = n;
+        if result.is_err() {
+            let _ = self.reset();
+        }
+        result
+    }
+
     /// Appends `tokens` and returns the logits of the last one.
     pub fn forward_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>, DecodeError> {
         let mut out = Vec::new();
@@ -726,6 +841,8 @@ struct Loading<'a> {
     bits: f64,
     cache: Option<crate::mxcache::MxCache>,
     writer: Option<crate::mxcache::CacheWriter>,
+    /// Each loaded matrix's name, for [`Decoder::observe_linear_inputs`].
+    names: std::collections::HashMap<WeightId, String>,
 }
 
 impl Loading<'_> {
@@ -733,6 +850,8 @@ impl Loading<'_> {
     fn planned(&self, name: &str, class: TensorClass) -> Option<crate::mxcache::Planned> {
         let (rows, cols) = self.source.shape(name)?;
         match self.policy.storage(class) {
+            // A matrix the file stores in this format already is taken as it is: no cache.
+            Storage::Mx(format) if stored_format(self.source, name) == Some(format) => None,
             Storage::Mx(format) if cols.is_multiple_of(mx_quant::BLOCK) => {
                 Some(crate::mxcache::Planned {
                     name: name.to_string(),
@@ -787,7 +906,17 @@ impl Loading<'_> {
         self.report.parameters += r * c;
         self.report.stream_bytes_per_token += w.bytes();
         self.bits += w.bytes() as f64 * 8.0;
-        Ok(device.load_weight(w)?)
+        let id = device.load_weight(w)?;
+        self.names.insert(id, name.to_string());
+        Ok(id)
+    }
+}
+
+/// The MX format a `pipeline quantize` file stores `name` in, if it is one.
+fn stored_format(source: &dyn TensorSource, name: &str) -> Option<ElemFormat> {
+    match source.dtype(name)? {
+        crate::model::SourceDtype::Mx(format) => Some(format),
+        _ => None,
     }
 }
 
@@ -820,6 +949,9 @@ fn convert(
         }
         Storage::Exact => return dense(source, name, rows, cols, policy),
     };
+    if let Some(m) = stored_as(source, name, format) {
+        return m.map(Weight::Mx);
+    }
     let options = QuantOptions {
         scale: policy.scale,
         ..QuantOptions::default()
@@ -853,6 +985,39 @@ fn convert(
     Ok(Weight::Mx(m))
 }
 
+/// The matrix as the file stores it, when the file holds it in `format` already (a
+/// `pipeline quantize` file): its blocks, rotation included, are taken as they are, never
+/// converted again.
+fn stored_as(
+    source: &dyn TensorSource,
+    name: &str,
+    format: ElemFormat,
+) -> Option<Result<mx_quant::gemv::MxMatrix, DecodeError>> {
+    let (crate::model::SourceDtype::Mx(stored), bytes) = source.raw(name)? else {
+        return None;
+    };
+    if stored != format {
+        return None;
+    }
+    let (rows, cols) = source.shape(name)?;
+    let block = 1 + mx_quant::layout::packed_len(format, mx_quant::BLOCK);
+    let blocks = bytes.len() / block;
+    let mut scales = Vec::with_capacity(blocks);
+    let mut packed = Vec::with_capacity(blocks * (block - 1));
+    for b in bytes.chunks_exact(block) {
+        scales.push(b[0]);
+        packed.extend_from_slice(&b[1..]);
+    }
+    Some(
+        mx_quant::gemv::MxMatrix::from_linear(format, rows, cols, &scales, &packed)
+            .map(|m| m.with_block_rotation(source.block_rotation(name)))
+            .map_err(|source| DecodeError::Quantize {
+                tensor: name.to_string(),
+                source,
+            }),
+    )
+}
+
 fn dense(
     source: &dyn TensorSource,
     name: &str,
@@ -883,7 +1048,13 @@ fn dense(
         _ if !policy.source_activations => ActivationRounding::None,
         Some(SourceDtype::F16) => ActivationRounding::F16,
         Some(SourceDtype::BF16) => ActivationRounding::Bf16,
-        Some(SourceDtype::Q8_0 | SourceDtype::Q4_0 | SourceDtype::Q4_1 | SourceDtype::Mxfp4) => {
+        Some(
+            SourceDtype::Q8_0
+            | SourceDtype::Q4_0
+            | SourceDtype::Q4_1
+            | SourceDtype::Mxfp4
+            | SourceDtype::Mx(_),
+        ) => {
             ActivationRounding::Q8Block
         }
         Some(SourceDtype::F32) | None => ActivationRounding::None,

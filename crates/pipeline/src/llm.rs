@@ -112,6 +112,24 @@ pub fn open_decoder_on(
     Ok((decoder, tokenizer))
 }
 
+/// The weight policy `model` was quantized with, when `pipeline quantize` made it (a GGUF file
+/// recording [`crate::model::gguf::POLICY_KEY`]); `None` for any other model.
+///
+/// # Errors
+/// A GGUF file that cannot be read, or whose recorded policy is not a string.
+pub fn recorded_policy(model: &Path) -> Result<Option<String>, DecodeError> {
+    if !model.is_file() {
+        return Ok(None);
+    }
+    let file = match crate::model::gguf::GgufFile::open(model) {
+        Ok(f) => f,
+        // Not GGUF: the model loader says what it is.
+        Err(crate::model::LoadError::NotAModel { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(file.recorded_policy()?.map(str::to_owned))
+}
+
 /// KV page storage by name: `f32`, `f16`, `bf16`, `mxfp8` or `mxfp4`.
 pub fn parse_kv_dtype(name: &str) -> Result<kv_paged::PageDtype, DecodeError> {
     use kv_paged::PageDtype::*;

@@ -140,6 +140,49 @@ enum Cmd {
         #[arg(long)]
         file: PathBuf,
     },
+    /// Convert a GGUF model into a GGUF file of MX matrices, rounded by GPTQ against
+    /// calibration text (or to nearest), optionally block-rotated; `--model` loads the result
+    /// under the policy it records.
+    Quantize {
+        /// The source model (.gguf).
+        #[arg(long)]
+        model: PathBuf,
+        /// The weight policy to quantize to (which classes become which MX format).
+        #[arg(long, default_value = "fp4")]
+        policy: String,
+        /// Calibration text files (UTF-8). Never an evaluation text: the license texts
+        /// perplexity is measured on are refused.
+        #[arg(long, num_args = 1..)]
+        calib: Vec<PathBuf>,
+        /// The output file (.gguf).
+        #[arg(long)]
+        out: PathBuf,
+        /// gptq (error-compensating, needs --calib) or rtn (round to nearest).
+        #[arg(long, default_value = "gptq")]
+        method: String,
+        /// Block-rotate the attention and MLP matrices (32-point Walsh-Hadamard; the kernels
+        /// rotate activations to match; CPU NPU only for now).
+        #[arg(long)]
+        rotate: bool,
+        /// GPTQ's damping, as a fraction of the Hessian's mean diagonal.
+        #[arg(long, default_value_t = 0.01)]
+        damp: f64,
+        /// Round columns in order of decreasing input energy (scales fixed beforehand).
+        #[arg(long)]
+        act_order: bool,
+        /// Block scale rule: mse (best of three exponents) or ocp (the spec's floor rule).
+        #[arg(long, default_value = "mse")]
+        scale: String,
+        /// Most calibration tokens used.
+        #[arg(long, default_value_t = 16384)]
+        calib_tokens: usize,
+        /// Tokens per calibration sequence.
+        #[arg(long, default_value_t = 512)]
+        calib_ctx: usize,
+        /// Worker threads (0 = every core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
     /// llama-bench's pp/tg tests; prints JSON.
     Bench {
         #[command(flatten)]
@@ -461,9 +504,11 @@ struct ModelArgs {
     /// A .gguf file, or a directory with config.json and *.safetensors.
     #[arg(long)]
     model: PathBuf,
-    /// Weight policy: exact, default, fastest, int8, or e.g. attn=fp6,mlp=fp4,embd=int8.
-    #[arg(long, default_value = "default")]
-    policy: String,
+    /// Weight policy: exact, default, fastest, fp4, smallest, int8, or e.g.
+    /// attn=fp6,mlp=fp4,embd=int8 [default: the policy a `pipeline quantize` file was made
+    /// with, else `default`].
+    #[arg(long)]
+    policy: Option<String>,
     /// Worker threads (0 = every core).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -487,6 +532,14 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The policy asked for, else the one the file records, else `default`.
+    fn policy_name(&self) -> Result<String, Box<dyn std::error::Error>> {
+        Ok(match &self.policy {
+            Some(p) => p.clone(),
+            None => pipeline::llm::recorded_policy(&self.model)?.unwrap_or_else(|| "default".into()),
+        })
+    }
+
     fn open(
         &self,
         max_logit_rows: usize,
@@ -498,7 +551,8 @@ impl ModelArgs {
         Box<dyn std::error::Error>,
     > {
         let kv_dtype = pipeline::llm::parse_kv_dtype(&self.kv)?;
-        let policy = pipeline::decoder::WeightPolicy::parse(&self.policy)?;
+        let policy_name = self.policy_name()?;
+        let policy = pipeline::decoder::WeightPolicy::parse(&policy_name)?;
         let cache = if self.no_cache {
             None
         } else {
@@ -539,7 +593,7 @@ impl ModelArgs {
             "loaded {} in {:.2} s: policy {}, {:.2} bits/weight, {:.1} MiB of weights, on {} ({} threads, {})",
             self.model.display(),
             t.elapsed().as_secs_f64(),
-            self.policy,
+            policy_name,
             r.bits_per_weight,
             r.weight_bytes as f64 / (1 << 20) as f64,
             decoder.device().info().name,
@@ -548,6 +602,117 @@ impl ModelArgs {
         );
         Ok((decoder, tokenizer))
     }
+}
+
+/// `pipeline quantize`'s flags.
+struct QuantizeArgs {
+    model: PathBuf,
+    policy: String,
+    calib: Vec<PathBuf>,
+    out: PathBuf,
+    method: String,
+    rotate: bool,
+    damp: f64,
+    act_order: bool,
+    scale: String,
+    calib_tokens: usize,
+    calib_ctx: usize,
+    threads: usize,
+}
+
+fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    use pipeline::quantize::{self, Method, QuantizeOptions};
+    let t0 = std::time::Instant::now();
+    let mut policy = pipeline::decoder::WeightPolicy::parse(&a.policy)?;
+    policy.scale = match a.scale.as_str() {
+        "mse" => mx_quant::ScaleRule::MseSearch,
+        "ocp" => mx_quant::ScaleRule::Floor,
+        other => return Err(format!("--scale {other:?}: use mse or ocp").into()),
+    };
+    let method = match a.method.as_str() {
+        "rtn" => Method::RoundToNearest,
+        "gptq" => Method::Gptq(mx_quant::gptq::GptqOptions {
+            scale: policy.scale,
+            damp: a.damp,
+            order: if a.act_order {
+                mx_quant::gptq::ColumnOrder::ActOrder
+            } else {
+                mx_quant::gptq::ColumnOrder::Natural
+            },
+            ..Default::default()
+        }),
+        other => return Err(format!("--method {other:?}: use gptq or rtn").into()),
+    };
+    if a.out.exists() && std::fs::canonicalize(&a.out)? == std::fs::canonicalize(&a.model)? {
+        return Err("--out is the source model; write the quantized model to a new file".into());
+    }
+    let source = pipeline::model::gguf::GgufFile::open(&a.model)?;
+    let options = QuantizeOptions {
+        policy,
+        method,
+        rotate: a.rotate,
+        calib_tokens: a.calib_tokens,
+        calib_ctx: a.calib_ctx,
+        threads: a.threads,
+    };
+    let (calibration, described) = match method {
+        Method::RoundToNearest => (None, "none (round-to-nearest)".to_string()),
+        Method::Gptq(_) => {
+            if a.calib.is_empty() {
+                return Err("GPTQ needs calibration text: give --calib FILE...".into());
+            }
+            let (mut decoder, tokenizer) =
+                quantize::calibration_decoder(&a.model, a.calib_ctx, a.threads)?;
+            let tokenizer = tokenizer.ok_or("calibration needs the model's tokenizer")?;
+            let batches =
+                quantize::calibration_batches(&a.calib, &tokenizer, a.calib_ctx, a.calib_tokens)?;
+            let total: usize = batches.iter().map(Vec::len).sum();
+            eprintln!(
+                "calibrating on {total} tokens ({} batches of up to {}) from {} files",
+                batches.len(),
+                a.calib_ctx,
+                a.calib.len()
+            );
+            let t = std::time::Instant::now();
+            let cal = quantize::calibrate(&mut decoder, &batches, |done, all| {
+                eprint!("\r  batch {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
+            })?;
+            eprintln!();
+            let files: Vec<String> = a.calib.iter().map(|p| p.display().to_string()).collect();
+            let described = format!(
+                "{} tokens in {} batches of up to {} from {}",
+                cal.tokens,
+                cal.batches,
+                a.calib_ctx,
+                files.join(", ")
+            );
+            (Some(cal), described)
+        }
+    };
+    let t = std::time::Instant::now();
+    let report = quantize::quantize(
+        &source,
+        calibration.as_ref(),
+        &options,
+        &a.out,
+        &described,
+        |done, all| eprint!("\r  tensor {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64()),
+    )?;
+    eprintln!();
+    eprintln!(
+        "wrote {} ({:.1} MiB): {} matrices converted ({} by GPTQ, {} rotated), {} tensors carried \
+         over, {:.2} bits/weight, policy {}, in {:.1} s",
+        a.out.display(),
+        report.file_bytes as f64 / (1 << 20) as f64,
+        report.converted,
+        report.by_gptq,
+        report.rotated,
+        report.carried,
+        report.bits_per_weight,
+        a.policy,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn main() -> ExitCode {
@@ -771,7 +936,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 "{}",
                 serde_json::json!({
                     "model": model.model.display().to_string(),
-                    "policy": model.policy,
+                    "policy": model.policy_name()?,
                     "file": file.display().to_string(),
                     "ctx": model.ctx,
                     "ppl": r.ppl,
@@ -784,6 +949,33 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             );
             Ok(())
         }
+        Cmd::Quantize {
+            model,
+            policy,
+            calib,
+            out,
+            method,
+            rotate,
+            damp,
+            act_order,
+            scale,
+            calib_tokens,
+            calib_ctx,
+            threads,
+        } => quantize(QuantizeArgs {
+            model,
+            policy,
+            calib,
+            out,
+            method,
+            rotate,
+            damp,
+            act_order,
+            scale,
+            calib_tokens,
+            calib_ctx,
+            threads,
+        }),
         Cmd::Bench {
             model,
             n_prompt,
@@ -798,7 +990,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({
                     "model": model.model.display().to_string(),
-                    "policy": model.policy,
+                    "policy": model.policy_name()?,
                     "bits_per_weight": r.bits_per_weight,
                     "weight_bytes": r.weight_bytes,
                     "stream_bytes_per_token": r.stream_bytes_per_token,

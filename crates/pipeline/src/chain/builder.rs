@@ -326,7 +326,13 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
 
     // The decoder first: the synthetic tower needs its hidden size.
     let kv_dtype = crate::llm::parse_kv_dtype(spec.kv.as_deref().unwrap_or("f16"))?;
-    let policy = WeightPolicy::parse(spec.policy.as_deref().unwrap_or("default"))?;
+    let recorded = crate::llm::recorded_policy(model)?;
+    let policy = WeightPolicy::parse(
+        spec.policy
+            .as_deref()
+            .or(recorded.as_deref())
+            .unwrap_or("default"),
+    )?;
     let ctx = spec.ctx.unwrap_or(1024);
     let cache_dir = spec
         .cache_dir

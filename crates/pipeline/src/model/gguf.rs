@@ -328,7 +328,48 @@ const GGML_TYPES: &[(u32, &str, u64, u64)] = &[
     (39, "MXFP4", 32, 17),
     (40, "NVFP4", 64, 36),
     (41, "Q1_0", 128, 18),
+    // `pipeline quantize`'s OCP MX blocks (not ggml types; see MX_TYPE_BASE), in the order of
+    // mx_quant::ElemFormat::ALL: the scale byte, then the codes.
+    (MX_TYPE_BASE, "MX_FP8_E5M2", 32, 33),
+    (MX_TYPE_BASE + 1, "MX_FP8_E4M3", 32, 33),
+    (MX_TYPE_BASE + 2, "MX_FP6_E3M2", 32, 25),
+    (MX_TYPE_BASE + 3, "MX_FP6_E2M3", 32, 25),
+    (MX_TYPE_BASE + 4, "MX_FP4_E2M1", 32, 17),
+    (MX_TYPE_BASE + 5, "MX_INT8", 32, 33),
 ];
+
+/// The first tensor type id of the OCP MX blocks `pipeline quantize` writes: `MX_TYPE_BASE + i`
+/// is `mx_quant::ElemFormat::ALL[i]`. ggml's ids are small integers, so these ("MX" in the top
+/// bytes) can never collide with one; ggml readers refuse such a file by its type id. Each block
+/// is the E8M0 scale byte followed by 32 codes in mx-quant's linear packing (little-endian bit
+/// stream), rows of whole blocks back to back. Tensors named in [`BLOCK_ROTATION_KEY`] hold
+/// block-rotated rows.
+pub const MX_TYPE_BASE: u32 = 0x4D58_0000;
+
+/// Metadata key: an array of the tensor names (GGUF names, `blk.0.attn_q.weight`) whose rows
+/// are block-rotated (`mx_quant::hadamard::rotate_weights`).
+pub const BLOCK_ROTATION_KEY: &str = "pipeline.quantize.block_rotation";
+
+/// Metadata key: the weight policy a `pipeline quantize` file was made with, the one it loads
+/// under when no policy is asked for.
+pub const POLICY_KEY: &str = "pipeline.quantize.policy";
+
+/// The GGUF tensor type id of an MX format (see [`MX_TYPE_BASE`]).
+pub fn mx_type_id(format: mx_quant::ElemFormat) -> u32 {
+    let i = mx_quant::ElemFormat::ALL
+        .iter()
+        .position(|&f| f == format)
+        .expect("ALL lists every format");
+    MX_TYPE_BASE + i as u32
+}
+
+const _: () = {
+    // The table's block sizes are 1 + packed_len(format, 32).
+    assert!(mx_quant::layout::packed_len(mx_quant::ElemFormat::Fp8E5M2, 32) + 1 == 33);
+    assert!(mx_quant::layout::packed_len(mx_quant::ElemFormat::Fp6E3M2, 32) + 1 == 25);
+    assert!(mx_quant::layout::packed_len(mx_quant::ElemFormat::Fp4E2M1, 32) + 1 == 17);
+    assert!(mx_quant::layout::packed_len(mx_quant::ElemFormat::Int8, 32) + 1 == 33);
+};
 
 impl GgmlType {
     /// `GGML_TYPE_F32`.
@@ -398,6 +439,9 @@ impl GgmlType {
             8 => SourceDtype::Q8_0,
             30 => SourceDtype::BF16,
             39 => SourceDtype::Mxfp4,
+            id if id >= MX_TYPE_BASE && id < MX_TYPE_BASE + 6 => {
+                SourceDtype::Mx(mx_quant::ElemFormat::ALL[(id - MX_TYPE_BASE) as usize])
+            }
             _ => return None,
         })
     }
@@ -474,6 +518,8 @@ pub struct GgufFile {
     meta_index: HashMap<String, usize>,
     tensors: Vec<TensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// Indices of the tensors [`BLOCK_ROTATION_KEY`] names.
+    rotated: std::collections::HashSet<usize>,
 }
 
 impl fmt::Debug for GgufFile {
@@ -519,7 +565,7 @@ impl GgufFile {
             tensors,
             tensor_index,
         } = header;
-        Ok(Self {
+        let mut file = Self {
             path,
             bytes,
             version,
@@ -529,7 +575,38 @@ impl GgufFile {
             meta_index,
             tensors,
             tensor_index,
-        })
+            rotated: Default::default(),
+        };
+        if let Some(names) = file.opt_str_array(BLOCK_ROTATION_KEY)? {
+            let mut rotated = std::collections::HashSet::new();
+            for name in names {
+                let corrupt = || LoadError::Corrupt {
+                    path: file.path.clone(),
+                    what: format!("metadata key {BLOCK_ROTATION_KEY}"),
+                    offset: 0,
+                    problem: Corruption::NotRotatable(name.to_owned()),
+                };
+                let &i = file.tensor_index.get(name).ok_or_else(corrupt)?;
+                if !matches!(
+                    file.tensors[i].ggml_type.source_dtype(),
+                    Some(SourceDtype::Mx(_))
+                ) {
+                    return Err(corrupt());
+                }
+                rotated.insert(i);
+            }
+            file.rotated = rotated;
+        }
+        Ok(file)
+    }
+
+    /// The weight policy the file was quantized with ([`POLICY_KEY`]), if `pipeline quantize`
+    /// made it.
+    ///
+    /// # Errors
+    /// [`LoadError::MetadataType`] when the key is not a string.
+    pub fn recorded_policy(&self) -> Result<Option<&str>, LoadError> {
+        self.opt_str(POLICY_KEY)
     }
 
     /// The file's path.
@@ -868,12 +945,23 @@ impl TensorSource for GgufFile {
             .get(rows.start * row_bytes..rows.end * row_bytes)
             .ok_or_else(range_error)?;
         dequantize(dtype, src, out);
+        if self.block_rotation(name) {
+            mx_quant::hadamard::unrotate_weights(out).expect("rows of whole MX blocks");
+        }
         Ok(())
     }
 
     fn raw(&self, name: &str) -> Option<(SourceDtype, &[u8])> {
         let info = self.resolve(name)?;
         Some((info.ggml_type.source_dtype()?, self.tensor_data(info)))
+    }
+
+    fn block_rotation(&self, name: &str) -> bool {
+        let index = self
+            .tensor_index
+            .get(&format!("{name}.weight"))
+            .or_else(|| self.tensor_index.get(name));
+        index.is_some_and(|i| self.rotated.contains(i))
     }
 }
 
@@ -1302,6 +1390,14 @@ pub(crate) fn dequantize(dtype: SourceDtype, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        SourceDtype::Mx(format) => {
+            let mut codes = [0u8; QK];
+            for (y, block) in out.chunks_exact_mut(QK).zip(src.chunks_exact(dtype.block_bytes())) {
+                mx_quant::layout::unpack_codes(format, &block[1..], &mut codes)
+                    .expect("a block's packed length");
+                y.copy_from_slice(&mx_quant::reference::dequantize_block(format, block[0], &codes));
+            }
+        }
         SourceDtype::Mxfp4 => {
             for (y, block) in out.chunks_exact_mut(QK).zip(src.chunks_exact(MXFP4_BYTES)) {
                 let d = e8m0_to_f32_half(block[0]);
@@ -1313,6 +1409,102 @@ pub(crate) fn dequantize(dtype: SourceDtype, src: &[u8], out: &mut [f32]) {
             }
         }
     }
+}
+
+/// A tensor for [`write`]: its GGUF name, `ne[]` (innermost first), type id and data.
+#[derive(Clone, Debug)]
+pub struct OutTensor {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub type_id: u32,
+    pub data: Vec<u8>,
+}
+
+/// Writes a GGUF v3 file: `metadata` in order (a `general.alignment` entry is dropped: the file
+/// uses the default alignment of 32), then `tensors`, each at the next 32-byte boundary. The
+/// file appears under `path` only once complete (written beside it, then renamed).
+///
+/// # Errors
+/// I/O errors, named with the path.
+pub fn write(
+    path: &Path,
+    metadata: &[(String, Value)],
+    tensors: &[OutTensor],
+) -> Result<(), LoadError> {
+    use std::io::Write;
+    const ALIGN: u64 = 32;
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+    fn value(out: &mut Vec<u8>, v: &Value) {
+        match v {
+            Value::U8(x) => out.push(*x),
+            Value::I8(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::U16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::I16(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::U32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::I32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::U64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::I64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::F32(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::F64(x) => out.extend_from_slice(&x.to_le_bytes()),
+            Value::Bool(x) => out.push(u8::from(*x)),
+            Value::String(x) => string(out, x),
+            Value::Array(t, items) => {
+                out.extend_from_slice(&t.id().to_le_bytes());
+                out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+                for item in items {
+                    value(out, item);
+                }
+            }
+        }
+    }
+    let metadata: Vec<_> = metadata
+        .iter()
+        .filter(|(k, _)| k != "general.alignment")
+        .collect();
+    let mut head = b"GGUF".to_vec();
+    head.extend_from_slice(&3u32.to_le_bytes());
+    head.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    head.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+    for (key, v) in &metadata {
+        string(&mut head, key);
+        head.extend_from_slice(&v.value_type().id().to_le_bytes());
+        value(&mut head, v);
+    }
+    let mut offset = 0u64;
+    let mut offsets = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        string(&mut head, &t.name);
+        head.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
+            head.extend_from_slice(&d.to_le_bytes());
+        }
+        head.extend_from_slice(&t.type_id.to_le_bytes());
+        head.extend_from_slice(&offset.to_le_bytes());
+        offsets.push(offset);
+        offset = (offset + t.data.len() as u64).next_multiple_of(ALIGN);
+    }
+    head.resize((head.len() as u64).next_multiple_of(ALIGN) as usize, 0);
+    let io = |source| LoadError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let partial = path.with_extension("gguf.partial");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&partial).map_err(io)?);
+    f.write_all(&head).map_err(io)?;
+    let mut written = 0u64;
+    for (t, off) in tensors.iter().zip(offsets) {
+        f.write_all(&vec![0u8; (off - written) as usize]).map_err(io)?;
+        f.write_all(&t.data).map_err(io)?;
+        written = off + t.data.len() as u64;
+    }
+    f.into_inner()
+        .map_err(|e| io(e.into_error()))?
+        .sync_all()
+        .map_err(io)?;
+    std::fs::rename(&partial, path).map_err(io)
 }
 
 /// Builds GGUF files byte by byte, for tests here and in [`super::tokenizer`].

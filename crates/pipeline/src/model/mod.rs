@@ -365,6 +365,8 @@ pub enum Corruption {
         /// The alignment.
         alignment: u64,
     },
+    /// The block-rotation list names a tensor the file lacks, or one not stored in an MX type.
+    NotRotatable(String),
     /// A tensor whose bytes run past the end of the file.
     OutOfBounds {
         /// Where its bytes would end (bytes from the start of the file).
@@ -411,6 +413,9 @@ impl fmt::Display for Corruption {
                     "data offset {offset} is not a multiple of the alignment {alignment}"
                 )
             }
+            Self::NotRotatable(name) => {
+                write!(f, "names {name:?}, which is not an MX tensor of the file")
+            }
             Self::OutOfBounds { end, len } => {
                 write!(
                     f,
@@ -439,6 +444,9 @@ pub enum SourceDtype {
     Q4_1,
     /// ggml `block_mxfp4`: 32 FP4 (E2M1) weights sharing an E8M0 scale (17 bytes).
     Mxfp4,
+    /// An OCP MX block as `pipeline quantize` writes it (see [`gguf::MX_TYPE_BASE`]): the E8M0
+    /// scale byte, then the 32 codes in mx-quant's linear packing.
+    Mx(mx_quant::ElemFormat),
 }
 
 impl SourceDtype {
@@ -446,7 +454,7 @@ impl SourceDtype {
     pub const fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Mxfp4 => 32,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::Mxfp4 | Self::Mx(_) => 32,
         }
     }
 
@@ -459,6 +467,7 @@ impl SourceDtype {
             Self::Q4_0 => gguf::Q4_0_BYTES,
             Self::Q4_1 => gguf::Q4_1_BYTES,
             Self::Mxfp4 => gguf::MXFP4_BYTES,
+            Self::Mx(format) => 1 + mx_quant::layout::packed_len(format, mx_quant::BLOCK),
         }
     }
 
@@ -479,6 +488,7 @@ impl fmt::Display for SourceDtype {
             Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
             Self::Mxfp4 => "MXFP4",
+            Self::Mx(format) => return write!(f, "MX {format}"),
         })
     }
 }
@@ -509,6 +519,13 @@ pub trait TensorSource {
     /// Raw bytes of a tensor and its dtype, for zero-copy import (e.g. GGUF MXFP4 blocks).
     /// Quantized rows are whole blocks, rows back to back, as the file stores them.
     fn raw(&self, name: &str) -> Option<(SourceDtype, &[u8])>;
+
+    /// Whether `name`'s stored rows are block-rotated (`mx_quant::hadamard`; only files that
+    /// `pipeline quantize --rotate` wrote have such tensors). [`TensorSource::read_rows`] undoes
+    /// the rotation; [`TensorSource::raw`] gives the rotated blocks as stored.
+    fn block_rotation(&self, _name: &str) -> bool {
+        false
+    }
 }
 
 /// How the q/k weights expect rotary embeddings to pair up dimensions within a head.
