@@ -208,6 +208,18 @@ const TESTS: &[HardwareTest] = &[
         &[Need::Vulkan],
     ),
     in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "block_rotated_mx_weights_match_the_cpu",
+        &[Need::Vulkan],
+    ),
+    in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "the_gpu_rotates_activations_with_the_cpus_bits",
+        &[Need::Vulkan],
+    ),
+    in_ci(
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_decoder_logits_match_the_cpu_on_tiny_llama",

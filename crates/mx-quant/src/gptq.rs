@@ -72,6 +72,20 @@ fn bad(reason: &'static str) -> Error {
 /// # Errors
 /// [`Error::LengthMismatch`] when `x` is not whole rows of `n` or `hessian` is not `n * n`.
 pub fn accumulate_hessian(hessian: &mut [f64], n: usize, x: &[f32]) -> Result<(), Error> {
+    accumulate_hessian_threads(hessian, n, x, 1)
+}
+
+/// [`accumulate_hessian`] on `threads` threads, each summing a band of the Hessian's rows (the
+/// bands hold equal shares of the lower triangle). The result does not depend on `threads`.
+///
+/// # Errors
+/// As [`accumulate_hessian`].
+pub fn accumulate_hessian_threads(
+    hessian: &mut [f64],
+    n: usize,
+    x: &[f32],
+    threads: usize,
+) -> Result<(), Error> {
     check_len(
         "hessian",
         n.checked_mul(n).ok_or(Error::TooLarge)?,
@@ -87,6 +101,19 @@ pub fn accumulate_hessian(hessian: &mut [f64], n: usize, x: &[f32]) -> Result<()
     // Eight tokens at a time, transposed, so each Hessian row is loaded once per eight.
     const T: usize = 8;
     let mut xt = vec![0f64; n * T];
+    // Band edges: row i costs i + 1, so cut where the running cost reaches each share.
+    let threads = threads.clamp(1, n);
+    let total = n * (n + 1) / 2;
+    let mut edges = vec![0];
+    let mut cost = 0;
+    for i in 0..n {
+        cost += i + 1;
+        if cost * threads >= total * edges.len() && edges.len() < threads {
+            edges.push(i + 1);
+        }
+    }
+    edges.push(n);
+    edges.dedup();
     for chunk in x.chunks(n * T) {
         let t = chunk.len() / n;
         for (k, row) in chunk.chunks_exact(n).enumerate() {
@@ -99,18 +126,34 @@ pub fn accumulate_hessian(hessian: &mut [f64], n: usize, x: &[f32]) -> Result<()
                 xt[i * T + k] = 0.0;
             }
         }
-        for i in 0..n {
-            let xi: [f64; T] = xt[i * T..i * T + T].try_into().expect("T values");
-            let row = &mut hessian[i * n..i * n + i + 1];
-            for (j, h) in row.iter_mut().enumerate() {
-                let xj = &xt[j * T..j * T + T];
-                let mut s = 0.0;
-                for k in 0..T {
-                    s += xi[k] * xj[k];
+        let xt = &xt;
+        let band = |rows: std::ops::Range<usize>, h: &mut [f64]| {
+            for i in rows.clone() {
+                let xi: [f64; T] = xt[i * T..i * T + T].try_into().expect("T values");
+                let at = (i - rows.start) * n;
+                for (j, h) in h[at..at + i + 1].iter_mut().enumerate() {
+                    let xj = &xt[j * T..j * T + T];
+                    let mut s = 0.0;
+                    for k in 0..T {
+                        s += xi[k] * xj[k];
+                    }
+                    *h += s;
                 }
-                *h += s;
             }
+        };
+        if edges.len() <= 2 {
+            band(0..n, hessian);
+            continue;
         }
+        std::thread::scope(|scope| {
+            let mut rest = &mut *hessian;
+            for w in edges.windows(2) {
+                let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * n);
+                rest = tail;
+                let rows = w[0]..w[1];
+                scope.spawn(move || band(rows, mine));
+            }
+        });
     }
     Ok(())
 }
@@ -417,6 +460,10 @@ mod tests {
         accumulate_hessian(&mut h, n, &x[..n * 5]).unwrap();
         accumulate_hessian(&mut h, n, &x[n * 5..]).unwrap();
         symmetrize(&mut h, n);
+        let mut threaded = vec![0f64; n * n];
+        accumulate_hessian_threads(&mut threaded, n, &x, 3).unwrap();
+        symmetrize(&mut threaded, n);
+        assert_eq!(h, threaded, "bands on three threads sum the same");
         for i in 0..n {
             for j in 0..n {
                 let want: f64 = (0..tokens)

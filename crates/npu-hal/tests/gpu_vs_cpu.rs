@@ -48,6 +48,9 @@ impl Rng {
 #[derive(Clone, Copy, Debug)]
 enum Storage {
     Mx(ElemFormat),
+    /// Block-rotated MX matrices (the embedding stays plain): the GPU rotates activations in
+    /// its own kernel, the CPU in its linear op.
+    RotatedMx(ElemFormat),
     F32,
     F16,
     Block(BlockType),
@@ -60,6 +63,15 @@ fn weight(storage: Storage, rows: usize, cols: usize, rng: &mut Rng) -> Weight {
         Storage::Mx(f) => Weight::Mx(
             MxMatrix::quantize(f, QuantOptions::default(), rows, cols, &data).expect("quantize"),
         ),
+        Storage::RotatedMx(f) => {
+            let mut rotated = data;
+            mx_quant::hadamard::rotate_weights(&mut rotated).expect("whole blocks");
+            Weight::Mx(
+                MxMatrix::quantize(f, QuantOptions::default(), rows, cols, &rotated)
+                    .expect("quantize")
+                    .with_block_rotation(true),
+            )
+        }
         Storage::F32 => Weight::Dense(DenseMatrix::new(rows, cols, data).expect("shape")),
         Storage::F16 => {
             let rounded = data
@@ -110,7 +122,11 @@ struct Model {
 fn load(device: &mut dyn Device, storage: Storage, seed: u64) -> Model {
     let mut rng = Rng(seed);
     let w = |d: &mut dyn Device, weight: Weight| d.load_weight(weight).expect("load");
-    let embd = w(device, weight(storage, VOCAB, HIDDEN, &mut rng));
+    let table = match storage {
+        Storage::RotatedMx(f) => Storage::Mx(f),
+        other => other,
+    };
+    let embd = w(device, weight(table, VOCAB, HIDDEN, &mut rng));
     let mut t = |width| device.create_tensor(width, MAX_ROWS).expect("tensor");
     let (x, xn, q, k, v, attn, o, gate, up, act) = (
         t(HIDDEN),
@@ -363,6 +379,74 @@ fn mx_weights_match_the_cpu() {
         ElemFormat::Int8,
     ] {
         compare(Storage::Mx(f), PageDtype::F16, 0.03);
+    }
+}
+
+#[test]
+fn block_rotated_mx_weights_match_the_cpu() {
+    for f in [ElemFormat::Fp4E2M1, ElemFormat::Int8] {
+        compare(Storage::RotatedMx(f), PageDtype::F16, 0.03);
+    }
+}
+
+/// The GPU's rotation of a linear layer's input has the bits of the CPU's
+/// (`mx_quant::hadamard::rotate_activations`): read through a rotated identity matrix, whose
+/// products are exact, for a decode row, a short batch and a prefill batch.
+#[test]
+fn the_gpu_rotates_activations_with_the_cpus_bits() {
+    let Some(mut gpu) = gpu() else { return };
+    let n = 96;
+    let mut identity = vec![0f32; n * n];
+    for i in 0..n {
+        identity[i * n + i] = 1.0;
+    }
+    // Stored as it is but marked rotated: y = I (H x) = H x.
+    let w = MxMatrix::quantize(ElemFormat::Int8, QuantOptions::default(), n, n, &identity)
+        .unwrap()
+        .with_block_rotation(true);
+    let w = gpu.load_weight(Weight::Mx(w)).unwrap();
+    let (x, y) = (
+        gpu.create_tensor(n, 16).unwrap(),
+        gpu.create_tensor(n, 16).unwrap(),
+    );
+    let program = [Op::Linear {
+        weight: w,
+        x,
+        out: y,
+        rows: Rows::All,
+    }];
+    let mut rng = Rng(5);
+    for tokens in [1usize, 8, 16] {
+        let input: Vec<f32> = (0..tokens * n).map(|_| rng.next() * 3.0).collect();
+        gpu.write_tensor(x, 0..tokens, &input).unwrap();
+        let ids = vec![0u32; tokens];
+        gpu.submit(Submission {
+            ops: &program,
+            batch: Batch {
+                tokens: &ids,
+                first_pos: 0,
+                seq: 0,
+                slots: &[],
+                select: 0..0,
+                embeddings: None,
+            },
+            kv: None,
+            wait: None,
+            signal: None,
+        })
+        .unwrap();
+        let mut got = vec![0f32; tokens * n];
+        gpu.read_tensor(y, 0..tokens, &mut got).unwrap();
+        let mut want = input.clone();
+        mx_quant::hadamard::rotate_activations(&mut want).unwrap();
+        let same = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{tokens} tokens: the GPU's rotation differs from the CPU's"
+        );
     }
 }
 

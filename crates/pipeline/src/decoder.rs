@@ -784,14 +784,23 @@ impl Decoder {
                     let names = self.body[end..]
                         .iter()
                         .map_while(|op| match op {
-                            Op::Linear { x: read, weight, .. } if *read == x => Some(*weight),
+                            Op::Linear {
+                                x: read, weight, ..
+                            } if *read == x => Some(*weight),
                             _ => None,
                         })
                         .filter_map(|w| self.matrix_names.get(&w).map(String::as_str))
                         .collect();
                     (x, names)
                 } else if let Some((x, w)) = head_x {
-                    (x, self.matrix_names.get(&w).map(String::as_str).into_iter().collect())
+                    (
+                        x,
+                        self.matrix_names
+                            .get(&w)
+                            .map(String::as_str)
+                            .into_iter()
+                            .collect(),
+                    )
                 } else {
                     break;
                 };
@@ -1054,9 +1063,7 @@ fn dense(
             | SourceDtype::Q4_1
             | SourceDtype::Mxfp4
             | SourceDtype::Mx(_),
-        ) => {
-            ActivationRounding::Q8Block
-        }
+        ) => ActivationRounding::Q8Block,
         Some(SourceDtype::F32) | None => ActivationRounding::None,
     };
     Ok(Weight::Dense(

@@ -536,7 +536,9 @@ impl ModelArgs {
     fn policy_name(&self) -> Result<String, Box<dyn std::error::Error>> {
         Ok(match &self.policy {
             Some(p) => p.clone(),
-            None => pipeline::llm::recorded_policy(&self.model)?.unwrap_or_else(|| "default".into()),
+            None => {
+                pipeline::llm::recorded_policy(&self.model)?.unwrap_or_else(|| "default".into())
+            }
         })
     }
 
@@ -674,10 +676,11 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 a.calib.len()
             );
             let t = std::time::Instant::now();
-            let cal = quantize::calibrate(&mut decoder, &batches, |done, all| {
-                eprint!("\r  batch {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
+            let cal = quantize::calibrate(&mut decoder, &batches, a.threads, |done, all| {
+                if done % 8 == 0 || done == all {
+                    eprintln!("  batch {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
+                }
             })?;
-            eprintln!();
             let files: Vec<String> = a.calib.iter().map(|p| p.display().to_string()).collect();
             let described = format!(
                 "{} tokens in {} batches of up to {} from {}",
@@ -696,9 +699,12 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
         &options,
         &a.out,
         &described,
-        |done, all| eprint!("\r  tensor {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64()),
+        |done, all| {
+            if done % 50 == 0 || done == all {
+                eprintln!("  tensor {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
+            }
+        },
     )?;
-    eprintln!();
     eprintln!(
         "wrote {} ({:.1} MiB): {} matrices converted ({} by GPTQ, {} rotated), {} tensors carried \
          over, {:.2} bits/weight, policy {}, in {:.1} s",

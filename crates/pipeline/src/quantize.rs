@@ -21,8 +21,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use mx_quant::gptq::{self, GptqOptions};
 use mx_quant::QuantOptions;
+use mx_quant::gptq::{self, GptqOptions};
 
 use crate::decoder::{DecodeError, Decoder, DecoderOptions, Storage, TensorClass, WeightPolicy};
 use crate::model::gguf::{self, GgufFile, OutTensor, Value};
@@ -167,16 +167,21 @@ pub fn calibration_batches(
     Ok(batches)
 }
 
-/// Runs `decoder` over `batches` and sums every linear layer's input statistics.
-/// `progress(done, total)` is called after each batch.
+/// Runs `decoder` over `batches` and sums every linear layer's input statistics on `threads`
+/// threads (0 = every core). `progress(done, total)` is called after each batch.
 ///
 /// # Errors
 /// What the decoder reports, or an MX error for a layer whose width is not whole blocks.
 pub fn calibrate(
     decoder: &mut Decoder,
     batches: &[Vec<u32>],
+    threads: usize,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<Calibration, QuantizeError> {
+    let threads = match threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let mut cal = Calibration {
         tokens: 0,
         batches: 0,
@@ -196,7 +201,7 @@ pub fn calibrate(
                 cal.by_matrix.insert(name.to_string(), index);
             }
             let (n, h) = &mut cal.hessians[index];
-            if let Err(e) = gptq::accumulate_hessian(h, *n, rows) {
+            if let Err(e) = gptq::accumulate_hessian_threads(h, *n, rows, threads) {
                 failure.get_or_insert(QuantizeError::Mx {
                     tensor: first.to_string(),
                     source: e,

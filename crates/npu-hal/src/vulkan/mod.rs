@@ -154,6 +154,9 @@ enum GpuWeight {
         codes: GpuBuffer,
         scales: GpuBuffer,
         bytes: usize,
+        /// Block-rotated rows (an MX matrix from `mx_quant::hadamard`): the linear layer reads
+        /// a rotated copy of its input (`Kernel::Rotate`).
+        rotated: bool,
     },
     Vector {
         data: GpuBuffer,
@@ -206,6 +209,8 @@ enum Grid {
         input: LinearInput,
         accumulate: bool,
     },
+    /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
+    LinearRows { selected: bool },
     /// `(rows, heads, depth)`.
     Heads { heads: u32, depth: u32 },
     /// Attention, `(rows, heads, 1)`: the dispatch's own kernel for short batches, `paged` (which
@@ -306,6 +311,8 @@ pub struct VulkanNpu {
     weights: Vec<GpuWeight>,
     tensors: Vec<GpuTensor>,
     rope_tables: Vec<((usize, u32), GpuBuffer, f32)>,
+    /// Rotated copies of linear inputs (`Kernel::Rotate`), one per (width, rows) shape.
+    rotation_scratch: HashMap<(usize, usize), TensorId>,
     kv: Option<KvMirror>,
     programs: Vec<Program>,
     /// The step values being written, kept so a step allocates nothing.
@@ -405,6 +412,7 @@ impl VulkanNpu {
             weights: Vec::new(),
             tensors: Vec::new(),
             rope_tables: Vec::new(),
+            rotation_scratch: HashMap::new(),
             kv: None,
             programs: Vec::new(),
             step_words: Vec::new(),
@@ -712,8 +720,17 @@ impl VulkanNpu {
         };
         match *op {
             Op::Embed { table, out } => {
-                if !matches!(self.weight(table, i)?, GpuWeight::Matrix { .. }) {
-                    return refuse(format!("op {i}: embedding from a vector weight"));
+                match self.weight(table, i)? {
+                    GpuWeight::Matrix { rotated: false, .. } => {}
+                    GpuWeight::Matrix { rotated: true, .. } => {
+                        return refuse(format!(
+                            "op {i}: embedding from a block-rotated table (rotate only the \
+                             layers' matrices)"
+                        ));
+                    }
+                    GpuWeight::Vector { .. } => {
+                        return refuse(format!("op {i}: embedding from a vector weight"));
+                    }
                 }
                 if !self.tensor(out, i)?.width.is_multiple_of(4) {
                     return refuse(format!("op {i}: embedding width not a multiple of 4"));
@@ -825,9 +842,45 @@ impl VulkanNpu {
             .map_err(vk_err("vkCreateDescriptorPool"))?;
         let ops = p.ops.clone();
         let plan = fuse(&ops);
+        // The rotated input the last rotated linear layer read: (its source, input stage,
+        // the rotated copy), reused by the next one that reads the same while nothing wrote
+        // the sources in between (Q, K and V share one).
+        let mut rotated: Option<(TensorId, FusedInput, TensorId)> = None;
         for (op, planned) in ops.iter().zip(&plan) {
+            if let Some((x, input, _)) = rotated {
+                let sources = [vec![x], fused_sources(input)].concat();
+                if sources.iter().any(|&t| writes(op, t)) {
+                    rotated = None;
+                }
+            }
             match planned {
                 Planned::Folded => {}
+                Planned::Linear { input, accumulate } if self.rotated_weight(op) => {
+                    let Op::Linear { x, .. } = *op else {
+                        unreachable!("linear plans are for linear ops")
+                    };
+                    let copy = match rotated {
+                        Some((rx, rinput, copy)) if rx == x && rinput == *input => copy,
+                        _ => {
+                            let copy = self.add_rotation(p, op, *input)?;
+                            rotated = Some((x, *input, copy));
+                            copy
+                        }
+                    };
+                    let Op::Linear {
+                        weight, out, rows, ..
+                    } = *op
+                    else {
+                        unreachable!("checked above")
+                    };
+                    let reading_copy = Op::Linear {
+                        weight,
+                        x: copy,
+                        out,
+                        rows,
+                    };
+                    self.add_linear(p, &reading_copy, FusedInput::Plain, *accumulate)?
+                }
                 Planned::Linear { input, accumulate } => {
                     self.add_linear(p, op, *input, *accumulate)?
                 }
@@ -842,6 +895,83 @@ impl VulkanNpu {
             }
         }
         Ok(())
+    }
+
+    /// Whether `op` is a linear layer over a block-rotated matrix.
+    fn rotated_weight(&self, op: &Op) -> bool {
+        matches!(*op, Op::Linear { weight, .. }
+            if matches!(self.weights.get(weight.0 as usize),
+                Some(GpuWeight::Matrix { rotated: true, .. })))
+    }
+
+    /// A dispatch writing the block-rotated input of linear `op` (its input stage applied
+    /// first) into a scratch tensor of the input's shape, which it returns.
+    fn add_rotation(
+        &mut self,
+        p: &mut Program,
+        op: &Op,
+        input: FusedInput,
+    ) -> Result<TensorId, Error> {
+        let Op::Linear {
+            weight, x, rows, ..
+        } = *op
+        else {
+            unreachable!("rotations are planned for linear ops only");
+        };
+        let Some(&GpuWeight::Matrix { cols, .. }) = self.weights.get(weight.0 as usize) else {
+            unreachable!("check_gpu refused vector weights");
+        };
+        if !cols.is_multiple_of(32) {
+            return Err(Error::Unsupported {
+                what: "a block-rotated matrix",
+                why: format!("{cols} columns are not whole 32-element blocks"),
+            });
+        }
+        let source = match input {
+            FusedInput::Plain => x,
+            FusedInput::Norm { x, .. } => x,
+            FusedInput::SwiGlu { gate, .. } => gate,
+        };
+        let max_rows = self.tensors[source.0 as usize].max_rows;
+        let copy = match self.rotation_scratch.get(&(cols, max_rows)) {
+            Some(&t) => t,
+            None => {
+                let t = self.create_tensor(cols, max_rows)?;
+                self.rotation_scratch.insert((cols, max_rows), t);
+                t
+            }
+        };
+        let tensor = |id: TensorId| self.tensors[id.0 as usize].buffer.raw;
+        let step = p.step.raw;
+        let (kind, x_buf, aux, eps, reads) = match input {
+            FusedInput::Plain => (LinearInput::Plain, tensor(x), step, 0.0, vec![x]),
+            FusedInput::Norm { x, gain, eps } => {
+                let GpuWeight::Vector { data, .. } = &self.weights[gain.0 as usize] else {
+                    unreachable!("check_gpu refused matrix gains");
+                };
+                (LinearInput::Norm, tensor(x), data.raw, eps, vec![x])
+            }
+            FusedInput::SwiGlu { gate, up } => (
+                LinearInput::SwiGlu,
+                tensor(gate),
+                tensor(up),
+                0.0,
+                vec![gate, up],
+            ),
+        };
+        let selected = rows == Rows::Selected;
+        let push = push_words(&[0, cols as u32, u32::from(selected), eps.to_bits()]);
+        let bufs = [step, step, step, x_buf, tensor(copy), aux];
+        self.push_dispatch(
+            p,
+            Kernel::Rotate { input: kind },
+            Grid::LinearRows { selected },
+            push,
+            &bufs,
+            reads.into_iter().map(|t| Resource::Tensor(t.0)).collect(),
+            vec![Resource::Tensor(copy.0)],
+        )?;
+        Ok(copy)
     }
 
     /// A linear op's dispatch, with the row-wise ops `fuse` folded into it.
@@ -1548,6 +1678,9 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
     let n = tokens as u32;
     match grid {
         Grid::PerRow => (kernel, [n, 1, 1]),
+        Grid::LinearRows { selected: sel } => {
+            (kernel, [if sel { selected as u32 } else { n }, 1, 1])
+        }
         Grid::Elements { width, per } => (kernel, [width.div_ceil(per), n, 1]),
         Grid::Heads { heads, depth } => (kernel, [n, heads, depth]),
         Grid::Attention { heads, paged } if n > SHORT_BATCH => (paged, [n, heads, 1]),
@@ -1913,16 +2046,6 @@ impl Device for VulkanNpu {
         let id = u32::try_from(self.weights.len()).map_err(|_| Error::Limit { what: "weights" })?;
         let (rows, cols) = weight.shape();
         let bytes = weight.bytes();
-        if let Weight::Mx(m) = &weight
-            && m.block_rotation()
-        {
-            return Err(Error::Unsupported {
-                what: "a block-rotated MX matrix",
-                why: "the GPU kernels do not rotate activations yet; run this model on the CPU \
-                      NPU (--device cpu) or quantize it without --rotate"
-                    .into(),
-            });
-        }
         let gpu = match planes(&weight) {
             Some((format, codes, scales)) => {
                 if let WeightFormat::Mx(f) = format {
@@ -1955,6 +2078,7 @@ impl Device for VulkanNpu {
                     codes,
                     scales,
                     bytes,
+                    rotated: matches!(&weight, Weight::Mx(m) if m.block_rotation()),
                 }
             }
             None => {

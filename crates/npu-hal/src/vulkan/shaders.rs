@@ -28,6 +28,7 @@ const ROPE_ANGLE: &str = include_str!("shaders/rope_angle.wgsl");
 const KV_COMMON: &str = include_str!("shaders/kv_common.wgsl");
 const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+const ROTATE: &str = include_str!("shaders/rotate.wgsl");
 
 /// How a weight matrix is stored on the GPU (see `shaders/weights.wgsl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -126,6 +127,11 @@ pub(crate) enum Kernel {
     Embed {
         format: WeightFormat,
     },
+    /// A block-rotated copy of a linear layer's input (`shaders/rotate.wgsl`), with the
+    /// layer's input stage applied first.
+    Rotate {
+        input: LinearInput,
+    },
     Add,
     SwiGlu,
     Rope,
@@ -158,7 +164,7 @@ impl Kernel {
             Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu => 4,
             Kernel::Embed { .. } | Kernel::KvWrite { .. } => 5,
             Kernel::Attention { .. } => 8,
-            Kernel::Gemv { .. } | Kernel::Gemm { .. } => 6,
+            Kernel::Gemv { .. } | Kernel::Gemm { .. } | Kernel::Rotate { .. } => 6,
         }
     }
 
@@ -202,6 +208,10 @@ impl Kernel {
             Kernel::Embed { format } => {
                 weights(&mut s, format);
                 s.push_str(EMBED);
+            }
+            Kernel::Rotate { input } => {
+                linear_io(&mut s, input, false);
+                s.push_str(ROTATE);
             }
             Kernel::Add => {
                 s.push_str("const OP: u32 = 0u;\n");
@@ -483,6 +493,7 @@ mod tests {
         for format in formats {
             kernels.push(Kernel::Embed { format });
             for input in [LinearInput::Plain, LinearInput::Norm, LinearInput::SwiGlu] {
+                kernels.push(Kernel::Rotate { input });
                 for accumulate in [false, true] {
                     kernels.extend([
                         Kernel::Gemv {

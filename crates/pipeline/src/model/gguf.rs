@@ -1392,10 +1392,15 @@ pub(crate) fn dequantize(dtype: SourceDtype, src: &[u8], out: &mut [f32]) {
         }
         SourceDtype::Mx(format) => {
             let mut codes = [0u8; QK];
-            for (y, block) in out.chunks_exact_mut(QK).zip(src.chunks_exact(dtype.block_bytes())) {
+            for (y, block) in out
+                .chunks_exact_mut(QK)
+                .zip(src.chunks_exact(dtype.block_bytes()))
+            {
                 mx_quant::layout::unpack_codes(format, &block[1..], &mut codes)
                     .expect("a block's packed length");
-                y.copy_from_slice(&mx_quant::reference::dequantize_block(format, block[0], &codes));
+                y.copy_from_slice(&mx_quant::reference::dequantize_block(
+                    format, block[0], &codes,
+                ));
             }
         }
         SourceDtype::Mxfp4 => {
@@ -1496,7 +1501,8 @@ pub fn write(
     f.write_all(&head).map_err(io)?;
     let mut written = 0u64;
     for (t, off) in tensors.iter().zip(offsets) {
-        f.write_all(&vec![0u8; (off - written) as usize]).map_err(io)?;
+        f.write_all(&vec![0u8; (off - written) as usize])
+            .map_err(io)?;
         f.write_all(&t.data).map_err(io)?;
         written = off + t.data.len() as u64;
     }
