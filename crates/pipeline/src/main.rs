@@ -170,9 +170,15 @@ enum Cmd {
         /// Round columns in order of decreasing input energy (scales fixed beforehand).
         #[arg(long)]
         act_order: bool,
-        /// Block scale rule: mse (best of three exponents) or ocp (the spec's floor rule).
+        /// Block scale rule: mse (the best of three exponents by the block's squared error),
+        /// ocp (the spec's floor rule), or loss (GPTQ: the best of the three by GPTQ's loss,
+        /// the error feedback inside the block included; rounding to nearest takes mse).
         #[arg(long, default_value = "mse")]
         scale: String,
+        /// Save the calibration statistics here, or load them if this file holds the ones of
+        /// the same model, text and settings, so a second quantization skips calibrating.
+        #[arg(long)]
+        hessians: Option<PathBuf>,
         /// Most calibration tokens used.
         #[arg(long, default_value_t = 16384)]
         calib_tokens: usize,
@@ -617,6 +623,7 @@ struct QuantizeArgs {
     damp: f64,
     act_order: bool,
     scale: String,
+    hessians: Option<PathBuf>,
     calib_tokens: usize,
     calib_ctx: usize,
     threads: usize,
@@ -627,15 +634,16 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     let mut policy = pipeline::decoder::WeightPolicy::parse(&a.policy)?;
     policy.scale = match a.scale.as_str() {
-        "mse" => mx_quant::ScaleRule::MseSearch,
+        "mse" | "loss" => mx_quant::ScaleRule::MseSearch,
         "ocp" => mx_quant::ScaleRule::Floor,
-        other => return Err(format!("--scale {other:?}: use mse or ocp").into()),
+        other => return Err(format!("--scale {other:?}: use mse, ocp or loss").into()),
     };
     let method = match a.method.as_str() {
         "rtn" => Method::RoundToNearest,
         "gptq" => Method::Gptq(mx_quant::gptq::GptqOptions {
             scale: policy.scale,
             damp: a.damp,
+            scale_by_loss: a.scale == "loss",
             order: if a.act_order {
                 mx_quant::gptq::ColumnOrder::ActOrder
             } else {
@@ -663,6 +671,34 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
             if a.calib.is_empty() {
                 return Err("GPTQ needs calibration text: give --calib FILE...".into());
             }
+            let files: Vec<String> = a.calib.iter().map(|p| p.display().to_string()).collect();
+            let key = format!(
+                "model {} ({} bytes); text {}; at most {} tokens in batches of {}",
+                std::fs::canonicalize(&a.model)?.display(),
+                std::fs::metadata(&a.model)?.len(),
+                files.join(", "),
+                a.calib_tokens,
+                a.calib_ctx
+            );
+            let saved = match &a.hessians {
+                Some(path) if path.exists() => quantize::Calibration::load(path, &key)?,
+                _ => None,
+            };
+            if let Some(cal) = saved {
+                eprintln!(
+                    "calibration statistics of {} tokens read from {}",
+                    cal.tokens,
+                    a.hessians.as_ref().expect("loaded from it").display()
+                );
+                let described = format!(
+                    "{} tokens in {} batches of up to {} from {}",
+                    cal.tokens,
+                    cal.batches,
+                    a.calib_ctx,
+                    files.join(", ")
+                );
+                return finish_quantize(&a, &source, Some(cal), &options, &described, t0);
+            }
             let (mut decoder, tokenizer) =
                 quantize::calibration_decoder(&a.model, a.calib_ctx, a.threads)?;
             let tokenizer = tokenizer.ok_or("calibration needs the model's tokenizer")?;
@@ -681,7 +717,11 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                     eprintln!("  batch {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
                 }
             })?;
-            let files: Vec<String> = a.calib.iter().map(|p| p.display().to_string()).collect();
+            if let Some(path) = &a.hessians {
+                cal.save(path, &key)
+                    .map_err(|e| format!("saving the calibration to {}: {e}", path.display()))?;
+                eprintln!("calibration statistics saved to {}", path.display());
+            }
             let described = format!(
                 "{} tokens in {} batches of up to {} from {}",
                 cal.tokens,
@@ -692,13 +732,26 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
             (Some(cal), described)
         }
     };
+    finish_quantize(&a, &source, calibration, &options, &described, t0)
+}
+
+/// Rounds, writes and reports, once the calibration (if any) is at hand.
+fn finish_quantize(
+    a: &QuantizeArgs,
+    source: &pipeline::model::gguf::GgufFile,
+    calibration: Option<pipeline::quantize::Calibration>,
+    options: &pipeline::quantize::QuantizeOptions,
+    described: &str,
+    t0: std::time::Instant,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use pipeline::quantize;
     let t = std::time::Instant::now();
     let report = quantize::quantize(
-        &source,
+        source,
         calibration.as_ref(),
-        &options,
+        options,
         &a.out,
-        &described,
+        described,
         |done, all| {
             if done % 50 == 0 || done == all {
                 eprintln!("  tensor {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
@@ -965,6 +1018,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             damp,
             act_order,
             scale,
+            hessians,
             calib_tokens,
             calib_ctx,
             threads,
@@ -978,6 +1032,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             damp,
             act_order,
             scale,
+            hessians,
             calib_tokens,
             calib_ctx,
             threads,

@@ -82,11 +82,144 @@ pub struct Calibration {
     by_matrix: HashMap<String, usize>,
 }
 
+/// The first bytes of a saved [`Calibration`].
+const CALIBRATION_MAGIC: &[u8; 8] = b"PQCAL\x00\x00\x01";
+
 impl Calibration {
     /// The Hessian of `matrix`'s input, `(width, values)`.
     pub fn hessian(&self, matrix: &str) -> Option<(usize, &[f64])> {
         let &(n, ref h) = &self.hessians[*self.by_matrix.get(matrix)?];
         Some((n, h))
+    }
+
+    /// Saves the statistics with `key` (what they were computed from), so another quantization
+    /// of the same model and text can skip calibration ([`Calibration::load`]). Little-endian:
+    /// magic, key, tokens, batches, then per input its width, the names reading it and the
+    /// lower triangle of its Hessian as f64.
+    ///
+    /// # Errors
+    /// I/O errors.
+    pub fn save(&self, path: &Path, key: &str) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+        let u64s =
+            |f: &mut std::io::BufWriter<std::fs::File>, v: u64| f.write_all(&v.to_le_bytes());
+        f.write_all(CALIBRATION_MAGIC)?;
+        u64s(&mut f, key.len() as u64)?;
+        f.write_all(key.as_bytes())?;
+        u64s(&mut f, self.tokens as u64)?;
+        u64s(&mut f, self.batches as u64)?;
+        u64s(&mut f, self.hessians.len() as u64)?;
+        for (i, (n, h)) in self.hessians.iter().enumerate() {
+            let mut names: Vec<&String> = self
+                .by_matrix
+                .iter()
+                .filter(|&(_, &j)| j == i)
+                .map(|(name, _)| name)
+                .collect();
+            names.sort();
+            u64s(&mut f, *n as u64)?;
+            u64s(&mut f, names.len() as u64)?;
+            for name in names {
+                u64s(&mut f, name.len() as u64)?;
+                f.write_all(name.as_bytes())?;
+            }
+            for r in 0..*n {
+                for v in &h[r * n..r * n + r + 1] {
+                    f.write_all(&v.to_le_bytes())?;
+                }
+            }
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()
+    }
+
+    /// Loads statistics [`Calibration::save`] wrote with the same `key`; `Ok(None)` when the
+    /// file was made from something else (another model, other text or settings).
+    ///
+    /// # Errors
+    /// [`QuantizeError::Input`] for an unreadable or malformed file.
+    pub fn load(path: &Path, key: &str) -> Result<Option<Calibration>, QuantizeError> {
+        let bad = |what: &str| {
+            QuantizeError::Input(format!(
+                "{}: {what}; delete it to calibrate again",
+                path.display()
+            ))
+        };
+        let bytes = std::fs::read(path).map_err(|e| bad(&e.to_string()))?;
+        struct Reader<'a> {
+            bytes: &'a [u8],
+            at: usize,
+        }
+        impl<'a> Reader<'a> {
+            fn take(&mut self, len: usize) -> Option<&'a [u8]> {
+                let end = self
+                    .at
+                    .checked_add(len)
+                    .filter(|&e| e <= self.bytes.len())?;
+                let s = &self.bytes[self.at..end];
+                self.at = end;
+                Some(s)
+            }
+            fn u64(&mut self) -> Option<u64> {
+                self.take(8)
+                    .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            }
+        }
+        let mut r = Reader {
+            bytes: &bytes,
+            at: 0,
+        };
+        let truncated = || bad("the file is truncated");
+        if r.take(8).ok_or_else(truncated)? != CALIBRATION_MAGIC {
+            return Err(bad("not a calibration file of this version"));
+        }
+        let len = r.u64().ok_or_else(truncated)?;
+        let stored_key = r
+            .take(usize::try_from(len).map_err(|_| truncated())?)
+            .ok_or_else(truncated)?;
+        if stored_key != key.as_bytes() {
+            return Ok(None);
+        }
+        let tokens = r.u64().ok_or_else(truncated)? as usize;
+        let batches = r.u64().ok_or_else(truncated)? as usize;
+        let count = r.u64().ok_or_else(truncated)?;
+        // Each input takes at least 16 bytes, so a count past the file is refused here.
+        if count > bytes.len() as u64 / 16 {
+            return Err(bad("the input count does not fit the file"));
+        }
+        let mut cal = Calibration {
+            tokens,
+            batches,
+            hessians: Vec::new(),
+            by_matrix: HashMap::new(),
+        };
+        for i in 0..count as usize {
+            let n = r.u64().ok_or_else(truncated)?;
+            let names = r.u64().ok_or_else(truncated)?;
+            if n == 0 || n > 1 << 16 || names > 1 << 10 {
+                return Err(bad("an input's width or name count is out of range"));
+            }
+            let n = n as usize;
+            for _ in 0..names {
+                let len = r.u64().ok_or_else(truncated)? as usize;
+                let name = r.take(len).ok_or_else(truncated)?;
+                let name = std::str::from_utf8(name).map_err(|_| bad("a name is not UTF-8"))?;
+                cal.by_matrix.insert(name.to_string(), i);
+            }
+            let tri = r.take(n * (n + 1) / 2 * 8).ok_or_else(truncated)?;
+            let mut h = vec![0f64; n * n];
+            let mut values = tri
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")));
+            for row in 0..n {
+                for c in 0..=row {
+                    h[row * n + c] = values.next().expect("sized above");
+                }
+            }
+            gptq::symmetrize(&mut h, n);
+            cal.hessians.push((n, h));
+        }
+        Ok(Some(cal))
     }
 }
 
