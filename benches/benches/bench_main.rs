@@ -178,6 +178,35 @@ mod mx {
         start.elapsed()
     }
 
+    /// What block rotations add to a linear layer's input on the CPU NPU: the activations'
+    /// int8 quantization alone (what every MX GEMV pays) against the 32-point Walsh-Hadamard
+    /// transform and then the quantization, at SmolLM2-135M's two input widths. The GEMV it
+    /// precedes is `mx_gemv`'s `576x1536` and `1536x576`.
+    pub(crate) fn rotation(c: &mut Criterion) {
+        let mut group = c.benchmark_group("mx_rotation");
+        group
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(1))
+            .warm_up_time(Duration::from_millis(300));
+        for cols in [576usize, 1536] {
+            let x = data(cols);
+            group.throughput(Throughput::Elements(cols as u64));
+            group.bench_function(BenchmarkId::new("q8", cols), |b| {
+                let mut q = Q8Activations::default();
+                b.iter(|| q.requantize(black_box(&x)).unwrap())
+            });
+            group.bench_function(BenchmarkId::new("rotate+q8", cols), |b| {
+                let (mut q, mut r) = (Q8Activations::default(), x.clone());
+                b.iter(|| {
+                    r.copy_from_slice(black_box(&x));
+                    mx_quant::hadamard::rotate_activations(&mut r).unwrap();
+                    q.requantize(&r).unwrap()
+                })
+            });
+        }
+        group.finish();
+    }
+
     pub(crate) fn gemv(c: &mut Criterion) {
         let mut group = c.benchmark_group("mx_gemv");
         group
@@ -926,6 +955,7 @@ criterion_group!(
     bandwidth::bench,
     mx::quantize,
     mx::gemv,
+    mx::rotation,
     sync::handoff,
     uvm::bench,
     kv::bench,
