@@ -671,6 +671,9 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
             if a.calib.is_empty() {
                 return Err("GPTQ needs calibration text: give --calib FILE...".into());
             }
+            for path in &a.calib {
+                quantize::check_not_evaluation_text(path)?;
+            }
             let files: Vec<String> = a.calib.iter().map(|p| p.display().to_string()).collect();
             let key = format!(
                 "model {} ({} bytes); text {}; at most {} tokens in batches of {}",
@@ -684,44 +687,51 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 Some(path) if path.exists() => quantize::Calibration::load(path, &key)?,
                 _ => None,
             };
-            if let Some(cal) = saved {
-                eprintln!(
-                    "calibration statistics of {} tokens read from {}",
-                    cal.tokens,
-                    a.hessians.as_ref().expect("loaded from it").display()
-                );
-                let described = format!(
-                    "{} tokens in {} batches of up to {} from {}",
-                    cal.tokens,
-                    cal.batches,
-                    a.calib_ctx,
-                    files.join(", ")
-                );
-                return finish_quantize(&a, &source, Some(cal), &options, &described, t0);
-            }
-            let (mut decoder, tokenizer) =
-                quantize::calibration_decoder(&a.model, a.calib_ctx, a.threads)?;
-            let tokenizer = tokenizer.ok_or("calibration needs the model's tokenizer")?;
-            let batches =
-                quantize::calibration_batches(&a.calib, &tokenizer, a.calib_ctx, a.calib_tokens)?;
-            let total: usize = batches.iter().map(Vec::len).sum();
-            eprintln!(
-                "calibrating on {total} tokens ({} batches of up to {}) from {} files",
-                batches.len(),
-                a.calib_ctx,
-                a.calib.len()
-            );
-            let t = std::time::Instant::now();
-            let cal = quantize::calibrate(&mut decoder, &batches, a.threads, |done, all| {
-                if done % 8 == 0 || done == all {
-                    eprintln!("  batch {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
+            let cal = match saved {
+                Some(cal) => {
+                    eprintln!(
+                        "calibration statistics of {} tokens read from {}",
+                        cal.tokens,
+                        a.hessians.as_ref().expect("loaded from it").display()
+                    );
+                    cal
                 }
-            })?;
-            if let Some(path) = &a.hessians {
-                cal.save(path, &key)
-                    .map_err(|e| format!("saving the calibration to {}: {e}", path.display()))?;
-                eprintln!("calibration statistics saved to {}", path.display());
-            }
+                None => {
+                    let (mut decoder, tokenizer) =
+                        quantize::calibration_decoder(&a.model, a.calib_ctx, a.threads)?;
+                    let tokenizer = tokenizer.ok_or("calibration needs the model's tokenizer")?;
+                    let batches = quantize::calibration_batches(
+                        &a.calib,
+                        &tokenizer,
+                        a.calib_ctx,
+                        a.calib_tokens,
+                    )?;
+                    let total: usize = batches.iter().map(Vec::len).sum();
+                    eprintln!(
+                        "calibrating on {total} tokens ({} batches of up to {}) from {} files",
+                        batches.len(),
+                        a.calib_ctx,
+                        a.calib.len()
+                    );
+                    let t = std::time::Instant::now();
+                    let cal =
+                        quantize::calibrate(&mut decoder, &batches, a.threads, |done, all| {
+                            if done % 8 == 0 || done == all {
+                                eprintln!(
+                                    "  batch {done}/{all} ({:.0} s)",
+                                    t.elapsed().as_secs_f64()
+                                );
+                            }
+                        })?;
+                    if let Some(path) = &a.hessians {
+                        cal.save(path, &key).map_err(|e| {
+                            format!("saving the calibration to {}: {e}", path.display())
+                        })?;
+                        eprintln!("calibration statistics saved to {}", path.display());
+                    }
+                    cal
+                }
+            };
             let described = format!(
                 "{} tokens in {} batches of up to {} from {}",
                 cal.tokens,
@@ -732,26 +742,13 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
             (Some(cal), described)
         }
     };
-    finish_quantize(&a, &source, calibration, &options, &described, t0)
-}
-
-/// Rounds, writes and reports, once the calibration (if any) is at hand.
-fn finish_quantize(
-    a: &QuantizeArgs,
-    source: &pipeline::model::gguf::GgufFile,
-    calibration: Option<pipeline::quantize::Calibration>,
-    options: &pipeline::quantize::QuantizeOptions,
-    described: &str,
-    t0: std::time::Instant,
-) -> Result<(), Box<dyn std::error::Error>> {
-    use pipeline::quantize;
     let t = std::time::Instant::now();
     let report = quantize::quantize(
-        source,
+        &source,
         calibration.as_ref(),
-        options,
+        &options,
         &a.out,
-        described,
+        &described,
         |done, all| {
             if done % 50 == 0 || done == all {
                 eprintln!("  tensor {done}/{all} ({:.0} s)", t.elapsed().as_secs_f64());
