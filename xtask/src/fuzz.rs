@@ -21,6 +21,7 @@ pub(crate) const TARGETS: &[&str] = &[
     "npy",
     "grammar",
     "chat_template",
+    "calibration",
 ];
 
 /// Address space each fuzzer process gets (`ulimit -v`, KiB).

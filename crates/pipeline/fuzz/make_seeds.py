@@ -41,8 +41,14 @@ def gguf_kv(key, kind, value):
     raise ValueError(kind)
 
 
-def minimal_gguf():
-    h, ff, vocab = 8, 16, 3
+MX_TYPE_BASE = 0x4D580000  # pipeline quantize's MX tensor types (gguf::MX_TYPE_BASE)
+MX_FP4 = MX_TYPE_BASE + 4  # 17-byte blocks: the E8M0 scale, then 16 bytes of codes
+
+
+def minimal_gguf(h=8, ff=16, mx=False):
+    """A one-layer llama; with mx, 32-wide, attn_q and ffn_down as MXFP4 blocks, attn_q listed as
+    block-rotated, and a recorded policy (what pipeline quantize writes)."""
+    vocab = 3
     kvs = [
         ("general.architecture", 8, "llama"),
         ("llama.block_count", 4, 1),
@@ -58,7 +64,13 @@ def minimal_gguf():
         ("tokenizer.ggml.token_type", 9, (5, [1, 1, 1])),
         ("tokenizer.chat_template", 8, "{% for m in messages %}{{ m['content'] }}{% endfor %}"),
     ]
-    q, kv = 2 * 4, 1 * 4
+    if mx:
+        kvs += [
+            ("pipeline.quantize.policy", 8, "fp4"),
+            ("pipeline.quantize.block_rotation", 9, (8, ["blk.0.attn_q.weight"])),
+        ]
+    mx_tensors = {"blk.0.attn_q.weight", "blk.0.ffn_down.weight"} if mx else set()
+    q, kv = 2 * (h // 2), 1 * (h // 2)
     tensors = [("token_embd.weight", [h, vocab]), ("output_norm.weight", [h])]
     for n, dims in [("attn_norm", [h]), ("attn_q", [h, q]), ("attn_k", [h, kv]),
                     ("attn_v", [h, kv]), ("attn_output", [q, h]), ("ffn_norm", [h]),
@@ -72,11 +84,16 @@ def minimal_gguf():
     for name, dims in tensors:
         body += gguf_string(name) + struct.pack("<I", len(dims))
         body += b"".join(struct.pack("<Q", d) for d in dims)
-        body += struct.pack("<IQ", 0, offset)  # f32
         n = 1
         for d in dims:
             n *= d
-        chunk = b"".join(struct.pack("<f", ((i * 37) % 17) / 17.0 - 0.5) for i in range(n))
+        if name in mx_tensors:
+            body += struct.pack("<IQ", MX_FP4, offset)
+            chunk = b"".join(bytes([120 + b % 8]) + bytes((b * 7 + i) % 256 for i in range(16))
+                             for b in range(n // 32))
+        else:
+            body += struct.pack("<IQ", 0, offset)  # f32
+            chunk = b"".join(struct.pack("<f", ((i * 37) % 17) / 17.0 - 0.5) for i in range(n))
         chunk += b"\0" * (-len(chunk) % 32)
         data += chunk
         offset += len(chunk)
@@ -87,6 +104,18 @@ def minimal_gguf():
 g = minimal_gguf()
 out("gguf", "minimal.gguf", g)
 out("gguf", "truncated.gguf", g[: len(g) // 3])
+out("gguf", "quantized-mx.gguf", minimal_gguf(32, 64, mx=True))
+
+# pipeline quantize --hessians: magic, key, tokens, batches, inputs; per input its width, the
+# matrices reading it and the lower triangle of X^T X (f64).
+key = b"fuzz"
+cal = b"PQCAL\x00\x00\x01" + struct.pack("<Q", len(key)) + key + struct.pack("<QQQ", 64, 1, 1)
+cal += struct.pack("<QQ", 32, 2)
+for name in [b"blk.0.attn_k", b"blk.0.attn_q"]:
+    cal += struct.pack("<Q", len(name)) + name
+cal += b"".join(struct.pack("<d", 1.0 if c == r else 0.01) for r in range(32) for c in range(r + 1))
+out("calibration", "one-input.bin", cal)
+out("calibration", "truncated.bin", cal[: len(cal) // 2])
 
 config = {
     "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 16,

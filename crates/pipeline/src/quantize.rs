@@ -139,13 +139,23 @@ impl Calibration {
     /// # Errors
     /// [`QuantizeError::Input`] for an unreadable or malformed file.
     pub fn load(path: &Path, key: &str) -> Result<Option<Calibration>, QuantizeError> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| QuantizeError::Input(format!("{}: {e}", path.display())))?;
+        Calibration::from_bytes(&path.display().to_string(), &bytes, key)
+    }
+
+    /// [`Calibration::load`] of bytes already read; `name` names them in errors.
+    ///
+    /// # Errors
+    /// [`QuantizeError::Input`] for malformed bytes.
+    pub fn from_bytes(
+        name: &str,
+        bytes: &[u8],
+        key: &str,
+    ) -> Result<Option<Calibration>, QuantizeError> {
         let bad = |what: &str| {
-            QuantizeError::Input(format!(
-                "{}: {what}; delete it to calibrate again",
-                path.display()
-            ))
+            QuantizeError::Input(format!("{name}: {what}; delete it to calibrate again"))
         };
-        let bytes = std::fs::read(path).map_err(|e| bad(&e.to_string()))?;
         struct Reader<'a> {
             bytes: &'a [u8],
             at: usize,
@@ -165,10 +175,7 @@ impl Calibration {
                     .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
             }
         }
-        let mut r = Reader {
-            bytes: &bytes,
-            at: 0,
-        };
+        let mut r = Reader { bytes, at: 0 };
         let truncated = || bad("the file is truncated");
         if r.take(8).ok_or_else(truncated)? != CALIBRATION_MAGIC {
             return Err(bad("not a calibration file of this version"));
@@ -613,6 +620,34 @@ mod tests {
         assert_eq!(class_of("blk.0.ffn_down"), Some(TensorClass::MlpDown));
         assert_eq!(class_of("blk.0.attn_norm"), None);
         assert_eq!(class_of("output_norm"), None);
+    }
+
+    #[test]
+    fn saved_statistics_load_back_under_their_key_only() {
+        let mut h = vec![0f64; 32 * 32];
+        let x: Vec<f32> = (0..32 * 5).map(|i| (i % 7) as f32 - 3.0).collect();
+        gptq::accumulate_hessian(&mut h, 32, &x).unwrap();
+        gptq::symmetrize(&mut h, 32);
+        let cal = Calibration {
+            tokens: 5,
+            batches: 1,
+            hessians: vec![(32, h.clone())],
+            by_matrix: [
+                ("blk.0.attn_q".to_string(), 0),
+                ("blk.0.attn_k".to_string(), 0),
+            ]
+            .into(),
+        };
+        let path = std::env::temp_dir().join(format!("pq-cal-{}.bin", std::process::id()));
+        cal.save(&path, "key").unwrap();
+        let back = Calibration::load(&path, "key").unwrap().unwrap();
+        assert_eq!((back.tokens, back.batches), (5, 1));
+        assert_eq!(back.hessian("blk.0.attn_k").unwrap(), (32, &h[..]));
+        assert!(Calibration::load(&path, "another key").unwrap().is_none());
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let e = Calibration::from_bytes("cut.bin", &bytes[..bytes.len() - 9], "key").unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
     }
 
     #[test]
