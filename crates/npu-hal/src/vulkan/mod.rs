@@ -921,10 +921,15 @@ impl VulkanNpu {
         let Some(&GpuWeight::Matrix { cols, .. }) = self.weights.get(weight.0 as usize) else {
             unreachable!("check_gpu refused vector weights");
         };
-        if !cols.is_multiple_of(32) {
+        // The rotation kernel stages a row in workgroup memory (`shaders/rotate.wgsl`).
+        const MAX_ROTATED_COLS: usize = 3072;
+        if !cols.is_multiple_of(32) || cols > MAX_ROTATED_COLS {
             return Err(Error::Unsupported {
                 what: "a block-rotated matrix",
-                why: format!("{cols} columns are not whole 32-element blocks"),
+                why: format!(
+                    "{cols} columns: the GPU rotates inputs of whole 32-element blocks, at most \
+                     {MAX_ROTATED_COLS} wide"
+                ),
             });
         }
         let source = match input {

@@ -1,12 +1,18 @@
 // The input of a linear layer whose weights are block-rotated (mx_quant::hadamard): each
 // 32-element block of the input stage's output (linear_io.wgsl: x, rms_norm(x) * gain, or
 // silu(gate) * up) goes through the unnormalized 32-point Walsh-Hadamard transform and is
-// written to y, the rotated copy the linear kernel then reads as it is. One workgroup per row,
-// one invocation per block; the butterflies run in mx_quant::hadamard::fwht32's order (strides
-// 1, 2, 4, 8, 16, pairs in increasing index), additions and subtractions only, so the result
-// has the CPU's bits for the same input.
+// written to y, the rotated copy the linear kernel then reads as it is.
+//
+// One workgroup per row. The row is staged in workgroup memory; each of the five butterfly
+// stages (strides 1, 2, 4, 8, 16) is spread over the invocations, with a barrier between
+// stages. A stage's pairs are disjoint, so every pair gets the same two operands, and the same
+// one addition and one subtraction, as in mx_quant::hadamard::fwht32: the result has the CPU's
+// bits for the same input.
+// 13 KiB of workgroup memory in all, under the 16 KiB every Vulkan device offers; rows up to
+// 3072 wide (the host refuses wider ones).
 const WG: u32 = 256u;
 var<workgroup> red: array<f32, 256>;
+var<workgroup> row: array<f32, 3072>;
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -27,27 +33,26 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         inv = 1.0 / sqrt(red[0] / f32(pc.cols) + pc.eps);
     }
-    for (var b = lid; b < pc.cols / 32u; b += WG) {
-        var v: array<f32, 32>;
-        for (var j = 0u; j < 8u; j++) {
-            let q = load_x(t, b * 8u + j, inv);
-            v[4u * j] = q.x;
-            v[4u * j + 1u] = q.y;
-            v[4u * j + 2u] = q.z;
-            v[4u * j + 3u] = q.w;
+    for (var k4 = lid; k4 < pc.cols / 4u; k4 += WG) {
+        let q = load_x(t, k4, inv);
+        row[4u * k4] = q.x;
+        row[4u * k4 + 1u] = q.y;
+        row[4u * k4 + 2u] = q.z;
+        row[4u * k4 + 3u] = q.w;
+    }
+    workgroupBarrier();
+    for (var h = 1u; h < 32u; h <<= 1u) {
+        // Pair p of this stage: its lower element e (bit h clear) and e + h.
+        for (var p = lid; p < pc.cols / 2u; p += WG) {
+            let e = (p / h) * 2u * h + p % h;
+            let a = row[e];
+            let b = row[e + h];
+            row[e] = a + b;
+            row[e + h] = a - b;
         }
-        for (var h = 1u; h < 32u; h <<= 1u) {
-            for (var i = 0u; i < 32u; i += 2u * h) {
-                for (var j = i; j < i + h; j++) {
-                    let a = v[j];
-                    let c = v[j + h];
-                    v[j] = a + c;
-                    v[j + h] = a - c;
-                }
-            }
-        }
-        for (var i = 0u; i < 32u; i++) {
-            y[t * pc.cols + b * 32u + i] = v[i];
-        }
+        workgroupBarrier();
+    }
+    for (var i = lid; i < pc.cols; i += WG) {
+        y[t * pc.cols + i] = row[i];
     }
 }
