@@ -16,7 +16,7 @@
 //!   reports per-stage latency, drops, tokens/s, copies and a Chrome trace.
 //! - [`grammar`]: grammar-constrained sampling on llguidance (a regular expression, a JSON
 //!   schema or a Lark grammar).
-//! - The `pipeline` binary: `run`, `isp`, `generate`, `perplexity`, `bench`, `encode`,
+//! - The `pipeline` binary: `run`, `isp`, `generate`, `perplexity`, `bench`, `quantize`, `encode`,
 //!   `devices`.
 //!
 //! # Design

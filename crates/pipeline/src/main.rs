@@ -5,6 +5,8 @@
 //! - `generate`: stream a completion from a GGUF or safetensors LLaMA-family model;
 //! - `perplexity`: llama.cpp's perplexity method over a text file;
 //! - `bench`: llama-bench's pp/tg tests, JSON out;
+//! - `quantize`: a GGUF model converted once into a GGUF file of MX matrices (calibrated GPTQ,
+//!   optional block rotations), which the other commands load as stored;
 //! - `encode`: the SigLIP tower and SmolVLM connector alone (GPU or CPU), .npy out;
 //! - `devices`: the execution devices this machine has, including accel nodes without a backend.
 //!
@@ -661,8 +663,6 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
         policy,
         method,
         rotate: a.rotate,
-        calib_tokens: a.calib_tokens,
-        calib_ctx: a.calib_ctx,
         threads: a.threads,
     };
     let (calibration, described) = match method {

@@ -3,7 +3,7 @@
 //!
 //! The steps:
 //! 1. **Calibration** ([`calibrate`]): the source model, at full precision (`exact-f32`), runs
-//!    over calibration text in batches of [`QuantizeOptions::calib_ctx`] tokens, and each linear
+//!    over calibration text in batches ([`calibration_batches`]), and each linear
 //!    layer's input second moment `H = X^T X` is summed (one per distinct input: Q, K and V
 //!    share one, as do gate and up). Evaluation texts must never be calibration text;
 //!    [`check_not_evaluation_text`] refuses the one this project evaluates on.
@@ -44,10 +44,6 @@ pub struct QuantizeOptions {
     pub method: Method,
     /// Block-rotate the attention and MLP matrices (never the embedding or the output head).
     pub rotate: bool,
-    /// Most calibration tokens used (the texts are cut there).
-    pub calib_tokens: usize,
-    /// Tokens per calibration batch (each a fresh sequence).
-    pub calib_ctx: usize,
     /// Worker threads (0 = every core).
     pub threads: usize,
 }

@@ -89,8 +89,6 @@ fn quantize_tiny(out: &Path, policy: &str, method: Method, rotate: bool) {
         policy: WeightPolicy::parse(policy).unwrap(),
         method,
         rotate,
-        calib_tokens: 1 << 20,
-        calib_ctx: 128,
         threads: 2,
     };
     quantize::quantize(

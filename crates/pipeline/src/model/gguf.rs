@@ -1,4 +1,9 @@
-//! GGUF v2/v3 reader over a memory map, and the ggml dequantizers the decoder needs.
+//! GGUF v2/v3 reader over a memory map, the ggml dequantizers the decoder needs, and a GGUF v3
+//! writer ([`write`], for `pipeline quantize`).
+//!
+//! Besides ggml's tensor types the reader knows `pipeline quantize`'s OCP MX blocks
+//! ([`MX_TYPE_BASE`]) and its list of block-rotated tensors ([`BLOCK_ROTATION_KEY`]), whose rows
+//! [`TensorSource::read_rows`] returns with the rotation undone.
 //!
 //! # Format
 //! Little-endian throughout: magic `GGUF`, `u32` version, `u64` tensor count, `u64` metadata
