@@ -684,7 +684,17 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 a.calib_ctx
             );
             let saved = match &a.hessians {
-                Some(path) if path.exists() => quantize::Calibration::load(path, &key)?,
+                Some(path) if path.exists() => {
+                    let saved = quantize::Calibration::load(path, &key)?;
+                    if saved.is_none() {
+                        eprintln!(
+                            "{} holds the statistics of another model, text or settings; \
+                             calibrating again (it will be overwritten)",
+                            path.display()
+                        );
+                    }
+                    saved
+                }
                 _ => None,
             };
             let cal = match saved {
