@@ -62,6 +62,10 @@ struct Scratch {
     rounded: Vec<f32>,
     /// Block-rotated activations for rotated MX matrices.
     rotated: Vec<f32>,
+    /// The tensor and rows `rotated` holds the rotation of, while they are unchanged: linear
+    /// layers reading one input (Q, K and V) rotate it once. Cleared by every op but a linear
+    /// layer that leaves the tensor alone, and at each submission.
+    rotated_from: Option<(TensorId, Range<usize>)>,
     /// Per-row 8-bit activations for ggml block weights.
     blocks: Vec<crate::ggml::QuantizedActivations>,
 }
@@ -228,6 +232,7 @@ impl CpuNpu {
                     pool,
                     *isa,
                     w,
+                    (x, in_rows),
                     gx.typed::<f32>()?,
                     go.typed_mut::<f32>()?,
                     out_rows,
@@ -346,11 +351,14 @@ impl CpuNpu {
     }
 }
 
-/// `out[t] = W x[t]` for `tokens` rows, split over the pool by row tiles.
+/// `out[t] = W x[t]` for `tokens` rows, split over the pool by row tiles; `x_from` names the
+/// tensor rows `x` holds, so a rotation of them can be reused.
+#[allow(clippy::too_many_arguments)]
 fn linear(
     pool: &WorkerPool,
     isa: Isa,
     w: &Weight,
+    x_from: (TensorId, Range<usize>),
     x: &[f32],
     out: &mut [f32],
     tokens: usize,
@@ -360,6 +368,7 @@ fn linear(
         q8,
         rounded,
         rotated,
+        rotated_from,
         blocks,
     } = scratch;
     let (rows, cols) = w.shape();
@@ -389,10 +398,14 @@ fn linear(
     // A block-rotated matrix meets block-rotated activations (`mx_quant::hadamard`).
     let x = match w {
         Weight::Mx(m) if m.block_rotation() => {
-            rotated.clear();
-            rotated.extend_from_slice(&x[..tokens * cols]);
-            mx_quant::hadamard::rotate_activations(rotated)?;
-            &rotated[..]
+            if rotated_from.as_ref() != Some(&x_from) {
+                rotated.clear();
+                rotated.extend_from_slice(&x[..tokens * cols]);
+                *rotated_from = None;
+                mx_quant::hadamard::rotate_activations(rotated)?;
+                *rotated_from = Some(x_from);
+            }
+            &rotated[..tokens * cols]
         }
         _ => x,
     };
@@ -585,7 +598,17 @@ impl Device for CpuNpu {
         if let Some((timeline, value)) = wait {
             timeline.wait(value, self.wait_timeout)?;
         }
+        self.scratch.rotated_from = None;
         for (i, op) in ops.iter().enumerate() {
+            match *op {
+                Op::Linear { out, .. }
+                    if self
+                        .scratch
+                        .rotated_from
+                        .as_ref()
+                        .is_none_or(|(t, _)| *t != out) => {}
+                _ => self.scratch.rotated_from = None,
+            }
             self.run(i, op, &batch, kv.as_deref_mut())?;
         }
         if let Some((timeline, value)) = signal {
