@@ -145,52 +145,7 @@ enum Cmd {
     /// Convert a GGUF model into a GGUF file of MX matrices, rounded by GPTQ against
     /// calibration text (or to nearest), optionally block-rotated; `--model` loads the result
     /// under the policy it records.
-    Quantize {
-        /// The source model (.gguf).
-        #[arg(long)]
-        model: PathBuf,
-        /// The weight policy to quantize to (which classes become which MX format).
-        #[arg(long, default_value = "fp4")]
-        policy: String,
-        /// Calibration text files (UTF-8). Never an evaluation text: the license texts
-        /// perplexity is measured on are refused.
-        #[arg(long, num_args = 1..)]
-        calib: Vec<PathBuf>,
-        /// The output file (.gguf).
-        #[arg(long)]
-        out: PathBuf,
-        /// gptq (error-compensating, needs --calib) or rtn (round to nearest).
-        #[arg(long, default_value = "gptq")]
-        method: String,
-        /// Block-rotate the attention and MLP matrices (32-point Walsh-Hadamard; the kernels
-        /// rotate activations to match; CPU NPU only for now).
-        #[arg(long)]
-        rotate: bool,
-        /// GPTQ's damping, as a fraction of the Hessian's mean diagonal.
-        #[arg(long, default_value_t = 0.01)]
-        damp: f64,
-        /// Round columns in order of decreasing input energy (scales fixed beforehand).
-        #[arg(long)]
-        act_order: bool,
-        /// Block scale rule: mse (the best of three exponents by the block's squared error),
-        /// ocp (the spec's floor rule), or loss (GPTQ: the best of the three by GPTQ's loss,
-        /// the error feedback inside the block included; rounding to nearest takes mse).
-        #[arg(long, default_value = "mse")]
-        scale: String,
-        /// Save the calibration statistics here, or load them if this file holds the ones of
-        /// the same model, text and settings, so a second quantization skips calibrating.
-        #[arg(long)]
-        hessians: Option<PathBuf>,
-        /// Most calibration tokens used.
-        #[arg(long, default_value_t = 16384)]
-        calib_tokens: usize,
-        /// Tokens per calibration sequence.
-        #[arg(long, default_value_t = 512)]
-        calib_ctx: usize,
-        /// Worker threads (0 = every core).
-        #[arg(long, default_value_t = 0)]
-        threads: usize,
-    },
+    Quantize(QuantizeArgs),
     /// llama-bench's pp/tg tests; prints JSON.
     Bench {
         #[command(flatten)]
@@ -615,19 +570,51 @@ impl ModelArgs {
 }
 
 /// `pipeline quantize`'s flags.
+#[derive(clap::Args, Debug)]
 struct QuantizeArgs {
+    /// The source model (.gguf).
+    #[arg(long)]
     model: PathBuf,
+    /// The weight policy to quantize to (which classes become which MX format).
+    #[arg(long, default_value = "fp4")]
     policy: String,
+    /// Calibration text files (UTF-8). Never an evaluation text: the license texts
+    /// perplexity is measured on are refused.
+    #[arg(long, num_args = 1..)]
     calib: Vec<PathBuf>,
+    /// The output file (.gguf).
+    #[arg(long)]
     out: PathBuf,
+    /// gptq (error-compensating, needs --calib) or rtn (round to nearest).
+    #[arg(long, default_value = "gptq")]
     method: String,
+    /// Block-rotate the attention and MLP matrices (32-point Walsh-Hadamard; the kernels
+    /// rotate activations to match; CPU NPU only for now).
+    #[arg(long)]
     rotate: bool,
+    /// GPTQ's damping, as a fraction of the Hessian's mean diagonal.
+    #[arg(long, default_value_t = 0.01)]
     damp: f64,
+    /// Round columns in order of decreasing input energy (scales fixed beforehand).
+    #[arg(long)]
     act_order: bool,
+    /// Block scale rule: mse (the best of three exponents by the block's squared error),
+    /// ocp (the spec's floor rule), or loss (GPTQ: the best of the three by GPTQ's loss,
+    /// the error feedback inside the block included; rounding to nearest takes mse).
+    #[arg(long, default_value = "mse")]
     scale: String,
+    /// Save the calibration statistics here, or load them if this file holds the ones of
+    /// the same model, text and settings, so a second quantization skips calibrating.
+    #[arg(long)]
     hessians: Option<PathBuf>,
+    /// Most calibration tokens used.
+    #[arg(long, default_value_t = 16384)]
     calib_tokens: usize,
+    /// Tokens per calibration sequence.
+    #[arg(long, default_value_t = 512)]
     calib_ctx: usize,
+    /// Worker threads (0 = every core).
+    #[arg(long, default_value_t = 0)]
     threads: usize,
 }
 
@@ -1015,35 +1002,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             );
             Ok(())
         }
-        Cmd::Quantize {
-            model,
-            policy,
-            calib,
-            out,
-            method,
-            rotate,
-            damp,
-            act_order,
-            scale,
-            hessians,
-            calib_tokens,
-            calib_ctx,
-            threads,
-        } => quantize(QuantizeArgs {
-            model,
-            policy,
-            calib,
-            out,
-            method,
-            rotate,
-            damp,
-            act_order,
-            scale,
-            hessians,
-            calib_tokens,
-            calib_ctx,
-            threads,
-        }),
+        Cmd::Quantize(args) => quantize(args),
         Cmd::Bench {
             model,
             n_prompt,
