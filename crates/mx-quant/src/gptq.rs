@@ -455,13 +455,7 @@ fn invert_lower(l: &[f64], n: usize) -> Vec<f64> {
 mod tests {
     use super::*;
     use crate::bulk;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::lcg;
 
     /// A fixed random layer whose inputs are correlated and have a few loud channels, as a
     /// transformer's do: `x = z A` with a random mixing `A`, and every 37th channel x8.

@@ -24,6 +24,13 @@ use crate::layout::check_block_multiple;
 /// butterfly order every implementation here follows: strides 1, 2, 4, 8, 16; within a stride,
 /// pairs `(j, j + h)` in increasing `j`.
 pub fn fwht32(v: &mut [f32; BLOCK]) {
+    butterflies(v);
+}
+
+/// [`fwht32`]'s butterflies over one block of any element type (f32 for data, f64 for
+/// Hessians).
+fn butterflies<T: Copy + std::ops::Add<Output = T> + std::ops::Sub<Output = T>>(v: &mut [T]) {
+    debug_assert_eq!(v.len(), BLOCK);
     let mut h = 1;
     while h < BLOCK {
         for i in (0..BLOCK).step_by(2 * h) {
@@ -86,22 +93,9 @@ pub fn rotate_hessian(hessian: &mut [f64], n: usize) -> Result<(), Error> {
         n.checked_mul(n).ok_or(Error::TooLarge)?,
         hessian.len(),
     )?;
-    let fwht = |v: &mut [f64]| {
-        let mut h = 1;
-        while h < BLOCK {
-            for i in (0..BLOCK).step_by(2 * h) {
-                for j in i..i + h {
-                    let (a, b) = (v[j], v[j + h]);
-                    v[j] = a + b;
-                    v[j + h] = a - b;
-                }
-            }
-            h *= 2;
-        }
-    };
     // Rows: each row's blocks (right multiplication by R).
     for row in hessian.chunks_exact_mut(n) {
-        row.chunks_exact_mut(BLOCK).for_each(fwht);
+        row.chunks_exact_mut(BLOCK).for_each(butterflies);
     }
     // Columns: the same on the transpose (left multiplication by R^T = R).
     let mut column = vec![0f64; n];
@@ -109,7 +103,7 @@ pub fn rotate_hessian(hessian: &mut [f64], n: usize) -> Result<(), Error> {
         for (r, v) in column.iter_mut().enumerate() {
             *v = hessian[r * n + c];
         }
-        column.chunks_exact_mut(BLOCK).for_each(fwht);
+        column.chunks_exact_mut(BLOCK).for_each(butterflies);
         for (r, v) in column.iter().enumerate() {
             hessian[r * n + c] = *v;
         }
@@ -120,13 +114,7 @@ pub fn rotate_hessian(hessian: &mut [f64], n: usize) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::lcg;
 
     #[test]
     fn the_transform_is_hadamard_and_the_rotation_keeps_dot_products() {

@@ -66,6 +66,15 @@ mod aarch64;
 #[doc = include_str!("../README.md")]
 struct ReadmeExample;
 
+/// Deterministic numbers in `[-1, 1)` for the unit tests (a 64-bit LCG, Knuth's constants).
+#[cfg(test)]
+pub(crate) fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
 pub use format::{BLOCK, ElemFormat, QuantOptions, Rounding, SCALE_BIAS, SCALE_NAN, ScaleRule};
 pub use isa::Isa;
 
