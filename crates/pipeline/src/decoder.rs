@@ -70,6 +70,35 @@ pub enum TensorClass {
     MlpDown,
 }
 
+/// Each block's matrices (`blk.N.<role>`) and their classes, in load order.
+const LAYER_MATRICES: [(&str, TensorClass); 7] = [
+    ("attn_q", TensorClass::Attention),
+    ("attn_k", TensorClass::Attention),
+    ("attn_v", TensorClass::Attention),
+    ("attn_output", TensorClass::Attention),
+    ("ffn_gate", TensorClass::MlpIn),
+    ("ffn_up", TensorClass::MlpIn),
+    ("ffn_down", TensorClass::MlpDown),
+];
+
+impl TensorClass {
+    /// The class of a matrix the decoder loads, by its canonical name (`token_embd`, `output`,
+    /// `blk.3.attn_v`, ...); `None` for any other tensor (norm gains, unknown names).
+    pub fn of(name: &str) -> Option<TensorClass> {
+        match name {
+            "token_embd" => Some(TensorClass::Embedding),
+            "output" => Some(TensorClass::Output),
+            _ => {
+                let role = name.strip_prefix("blk.")?.split_once('.')?.1;
+                LAYER_MATRICES
+                    .iter()
+                    .find(|(r, _)| *r == role)
+                    .map(|&(_, class)| class)
+            }
+        }
+    }
+}
+
 /// How one class of tensors is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Storage {
@@ -322,15 +351,7 @@ impl Decoder {
             order.push(("output".into(), TensorClass::Output));
         }
         for i in 0..config.layers {
-            for (s, class) in [
-                ("attn_q", TensorClass::Attention),
-                ("attn_k", TensorClass::Attention),
-                ("attn_v", TensorClass::Attention),
-                ("attn_output", TensorClass::Attention),
-                ("ffn_gate", TensorClass::MlpIn),
-                ("ffn_up", TensorClass::MlpIn),
-                ("ffn_down", TensorClass::MlpDown),
-            ] {
+            for (s, class) in LAYER_MATRICES {
                 order.push((format!("blk.{i}.{s}"), class));
             }
         }
@@ -1002,12 +1023,10 @@ fn stored_as(
     name: &str,
     format: ElemFormat,
 ) -> Option<Result<mx_quant::gemv::MxMatrix, DecodeError>> {
-    let (crate::model::SourceDtype::Mx(stored), bytes) = source.raw(name)? else {
-        return None;
-    };
-    if stored != format {
+    if stored_format(source, name)? != format {
         return None;
     }
+    let (_, bytes) = source.raw(name)?;
     let (rows, cols) = source.shape(name)?;
     let block = 1 + mx_quant::layout::packed_len(format, mx_quant::BLOCK);
     let blocks = bytes.len() / block;
@@ -1071,4 +1090,26 @@ fn dense(
             .expect("the buffer was sized rows * cols")
             .with_activation_rounding(rounding),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matrices_are_classed_by_their_canonical_names() {
+        assert_eq!(TensorClass::of("token_embd"), Some(TensorClass::Embedding));
+        assert_eq!(TensorClass::of("output"), Some(TensorClass::Output));
+        assert_eq!(
+            TensorClass::of("blk.3.attn_v"),
+            Some(TensorClass::Attention)
+        );
+        assert_eq!(TensorClass::of("blk.12.ffn_up"), Some(TensorClass::MlpIn));
+        assert_eq!(
+            TensorClass::of("blk.0.ffn_down"),
+            Some(TensorClass::MlpDown)
+        );
+        assert_eq!(TensorClass::of("blk.0.attn_norm"), None);
+        assert_eq!(TensorClass::of("output_norm"), None);
+    }
 }

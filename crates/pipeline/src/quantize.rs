@@ -357,23 +357,6 @@ pub fn calibrate(
     Ok(cal)
 }
 
-/// The tensor class of a canonical matrix name, if it is one the decoder loads.
-fn class_of(name: &str) -> Option<TensorClass> {
-    if name == "token_embd" {
-        return Some(TensorClass::Embedding);
-    }
-    if name == "output" {
-        return Some(TensorClass::Output);
-    }
-    let role = name.strip_prefix("blk.")?.split_once('.')?.1;
-    Some(match role {
-        "attn_q" | "attn_k" | "attn_v" | "attn_output" => TensorClass::Attention,
-        "ffn_gate" | "ffn_up" => TensorClass::MlpIn,
-        "ffn_down" => TensorClass::MlpDown,
-        _ => return None,
-    })
-}
-
 /// What [`quantize`] did.
 #[derive(Clone, Debug, Default)]
 pub struct QuantizeReport {
@@ -418,7 +401,7 @@ pub fn quantize(
     for (i, info) in source.tensors().iter().enumerate() {
         let canonical = info.name.strip_suffix(".weight").unwrap_or(&info.name);
         let (rows, cols) = info.shape();
-        let class = class_of(canonical);
+        let class = TensorClass::of(canonical);
         let format = match class.map(|c| options.policy.storage(c)) {
             Some(Storage::Mx(f)) if cols.is_multiple_of(mx_quant::BLOCK) => Some(f),
             _ => None,
@@ -607,16 +590,6 @@ pub fn calibration_decoder(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn matrices_are_classed_by_their_canonical_names() {
-        assert_eq!(class_of("token_embd"), Some(TensorClass::Embedding));
-        assert_eq!(class_of("blk.3.attn_v"), Some(TensorClass::Attention));
-        assert_eq!(class_of("blk.12.ffn_up"), Some(TensorClass::MlpIn));
-        assert_eq!(class_of("blk.0.ffn_down"), Some(TensorClass::MlpDown));
-        assert_eq!(class_of("blk.0.attn_norm"), None);
-        assert_eq!(class_of("output_norm"), None);
-    }
 
     #[test]
     fn saved_statistics_load_back_under_their_key_only() {

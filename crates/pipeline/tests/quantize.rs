@@ -221,7 +221,7 @@ fn a_rotated_file_reads_back_the_weights_it_was_made_from() {
 
 #[test]
 fn a_rotation_list_naming_a_tensor_the_file_lacks_is_refused() {
-    // The quantizer's own output, with the rotation list pointed at a norm gain.
+    // The quantizer's own output, with the rotation list pointed at a tensor it lacks.
     let dir = Scratch::new("refused");
     let out = dir.path().join("tiny.gguf");
     quantize_tiny(&out, "fp4", Method::RoundToNearest, true);
