@@ -107,7 +107,9 @@ pub fn decode(
     let work = |heads: std::ops::Range<usize>,
                 out: &mut [f32],
                 probs_out: &mut [f32]|
-     -> Result<(), Error> { ctx.heads(heads, out, want_probs.then_some(probs_out)) };
+     -> Result<(), Error> {
+        ctx.queries(heads, len - 1, &mut [out], want_probs.then_some(probs_out))
+    };
     if threads == 1 {
         work(0..q_heads, out, &mut all_probs)?;
     } else {
@@ -151,17 +153,50 @@ pub fn decode_heads(
     q: &[f32],
     out: &mut [f32],
 ) -> Result<(), Error> {
+    let len = cache.manager().len(seq)?;
+    decode_queries(
+        cache,
+        seq,
+        layer,
+        q_heads,
+        heads,
+        len.saturating_sub(1),
+        q,
+        &mut [out],
+    )
+}
+
+/// Decode attention for `n = out.len()` queries at positions `first_pos..first_pos + n` of
+/// `seq` (their K/V already in the cache), query heads `heads` only: query `i` is
+/// `q[i * q_heads * head_dim..]` and sees tokens `0..=first_pos + i`; `out[i]` receives its
+/// `heads.len() * head_dim` values.
+///
+/// Each query is computed with exactly the arithmetic [`decode_heads`] uses for it alone, so
+/// its output is bit-identical to decoding the queries one at a time, while the pages are read
+/// once for all of them. Speculative decoding verifies its drafts this way: the batch gives the
+/// same logits as the steps it replaces.
+pub fn decode_queries(
+    cache: &KvCache,
+    seq: SeqId,
+    layer: usize,
+    q_heads: usize,
+    heads: std::ops::Range<usize>,
+    first_pos: usize,
+    q: &[f32],
+    out: &mut [&mut [f32]],
+) -> Result<(), Error> {
     let l = *cache.layout();
     let hd = l.head_dim;
+    let n = out.len();
     if q_heads == 0
         || !q_heads.is_multiple_of(l.kv_heads)
-        || q.len() != q_heads * hd
+        || q.len() != n * q_heads * hd
         || heads.start > heads.end
         || heads.end > q_heads
-        || out.len() != heads.len() * hd
+        || out.iter().any(|o| o.len() != heads.len() * hd)
     {
         return Err(Error::BadConfig {
-            what: "decode_heads: q_heads must be a multiple of kv_heads, q q_heads * head_dim long, heads within q_heads and out heads.len() * head_dim long",
+            what: "decode_queries: q_heads must be a multiple of kv_heads, q n * q_heads * head_dim long, heads within q_heads and each out heads.len() * head_dim long",
         });
     }
     if layer >= l.layers {
@@ -171,8 +206,15 @@ pub fn decode_heads(
     }
     let table = cache.manager().block_table(seq)?;
     let len = cache.manager().len(seq)?;
-    if len == 0 || heads.is_empty() {
-        out.fill(0.0);
+    if first_pos.checked_add(n).is_none_or(|end| end > len) {
+        return Err(Error::BadConfig {
+            what: "decode_queries: the queries' positions run past the sequence",
+        });
+    }
+    if len == 0 || heads.is_empty() || n == 0 {
+        for o in out.iter_mut() {
+            o.fill(0.0);
+        }
         return Ok(());
     }
     let guard = cache
@@ -183,15 +225,14 @@ pub fn decode_heads(
         cache,
         bytes: guard.bytes(),
         table,
-        len,
+        len: first_pos + n,
         layer,
         group: q_heads / l.kv_heads,
         q,
     };
-    ctx.heads(heads, out, None)
+    ctx.queries(heads, first_pos, out, None)
 }
 
-/// What one decode computation reads: the mapped cache, the sequence's table and the queries.
 struct DecodeCtx<'a> {
     cache: &'a KvCache,
     bytes: &'a [u8],
@@ -203,19 +244,29 @@ struct DecodeCtx<'a> {
 }
 
 impl DecodeCtx<'_> {
-    /// Attention for query heads `heads` into `out` (`heads.len() * head_dim`), the
-    /// probabilities into `probs_out` (`heads.len() * len`) when given.
-    fn heads(
+    /// Attention for query heads `heads` of queries at consecutive positions from `first_pos`
+    /// (query `i` sees `first_pos + i + 1` tokens) into `out[i]` (`heads.len() * head_dim`).
+    /// Every query goes through the same operations in the same order whatever the others, so
+    /// each result is bit-identical to the one-query computation, and each page is read once
+    /// for all of them. The probabilities go to `probs_out` (`queries * heads.len() * len`,
+    /// zero past each query's visible tokens) when given.
+    fn queries(
         &self,
         heads: std::ops::Range<usize>,
-        out: &mut [f32],
+        first_pos: usize,
+        out: &mut [&mut [f32]],
         probs_out: Option<&mut [f32]>,
     ) -> Result<(), Error> {
         let hd = self.cache.layout().head_dim;
-        let (len, q, group) = (self.len, self.q, self.group);
+        let (len, group) = (self.len, self.group);
+        let n = out.len();
+        let stride = self.q.len() / n;
         let scale = default_scale(hd);
+        let visible = |i: usize| first_pos + i + 1;
         let mut scratch = Vec::new();
-        let mut scores = vec![0f32; heads.len() * len];
+        // scores[(i * heads + h) * len + t]
+        let mut scores = vec![0f32; n * heads.len() * len];
+        let at = |i: usize, qh: usize| (i * heads.len() + qh - heads.start) * len;
         let mut h = heads.start;
         while h < heads.end {
             let g = h / group;
@@ -230,15 +281,19 @@ impl DecodeCtx<'_> {
                 false,
                 &mut scratch,
                 |t, k| {
-                    for qh in hs.clone() {
-                        scores[(qh - heads.start) * len + t] =
-                            dot(&q[qh * hd..(qh + 1) * hd], k) * scale;
+                    for i in (0..n).filter(|&i| t < visible(i)) {
+                        let q = &self.q[i * stride..(i + 1) * stride];
+                        for qh in hs.clone() {
+                            scores[at(i, qh) + t] = dot(&q[qh * hd..(qh + 1) * hd], k) * scale;
+                        }
                     }
                 },
             )?;
-            for qh in hs.clone() {
-                softmax(&mut scores[(qh - heads.start) * len..(qh - heads.start + 1) * len]);
-                out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd].fill(0.0);
+            for (i, o) in out.iter_mut().enumerate() {
+                for qh in hs.clone() {
+                    softmax(&mut scores[at(i, qh)..at(i, qh) + visible(i)]);
+                    o[(qh - heads.start) * hd..(qh - heads.start + 1) * hd].fill(0.0);
+                }
             }
             self.cache.for_each_vector(
                 self.bytes,
@@ -249,13 +304,18 @@ impl DecodeCtx<'_> {
                 true,
                 &mut scratch,
                 |t, v| {
-                    for qh in hs.clone() {
-                        let p = scores[(qh - heads.start) * len + t];
-                        axpy(
-                            &mut out[(qh - heads.start) * hd..(qh - heads.start + 1) * hd],
-                            p,
-                            v,
-                        );
+                    for (i, o) in out.iter_mut().enumerate() {
+                        if t >= visible(i) {
+                            continue;
+                        }
+                        for qh in hs.clone() {
+                            let p = scores[at(i, qh) + t];
+                            axpy(
+                                &mut o[(qh - heads.start) * hd..(qh - heads.start + 1) * hd],
+                                p,
+                                v,
+                            );
+                        }
                     }
                 },
             )?;

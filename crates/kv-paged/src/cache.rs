@@ -190,6 +190,12 @@ impl KvCache {
         self.manager.free_sequence(seq).map(|_| ())
     }
 
+    /// Shortens a sequence to its first `len` tokens (see [`BlockManager::truncate`]); nothing
+    /// is copied or cleared, the pages past `len` are simply no longer the sequence's.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<Vec<BlockId>, Error> {
+        self.manager.truncate(seq, len)
+    }
+
     /// Drops whole pages of a sequence (pruning).
     pub fn drop_blocks(&mut self, seq: SeqId, logical: &[usize]) -> Result<Vec<BlockId>, Error> {
         self.manager.drop_blocks(seq, logical)

@@ -4,7 +4,8 @@
 //!
 //! # What is here
 //! - [`BlockManager`]: the allocator, refcounts, copy-on-write forks, block tables, the prefix
-//!   cache with LRU eviction, out-of-blocks errors with a preemption hook, and accounting.
+//!   cache with LRU eviction, truncation (speculative decoding's rollback), out-of-blocks
+//!   errors with a preemption hook, and accounting.
 //! - [`KvCache`]: the pages of every block in one uvm-alloc buffer, in f32, f16, bf16, MXFP8 or
 //!   MXFP4 ([`PageDtype`]); copy-on-write copies go through uvm-alloc's copy ledger.
 //! - [`attention`]: paged decode (GQA, threads over query heads) and causal prefill on the CPU,
@@ -62,6 +63,9 @@ pub enum Error {
     /// A sequence id that is already present.
     #[error("sequence {seq} already exists")]
     SequenceExists { seq: u64 },
+    /// A truncation to more tokens than the sequence holds.
+    #[error("sequence {seq} holds {have} tokens; it cannot be truncated to {len}")]
+    TruncatePastEnd { seq: u64, len: usize, have: usize },
     /// A logical block index past the sequence's full blocks.
     #[error("sequence {seq} has {full_blocks} full blocks; block {logical} cannot be dropped")]
     BlockOutOfRange {

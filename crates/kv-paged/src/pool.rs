@@ -88,14 +88,16 @@ impl Accounting {
     }
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 struct Sequence {
     /// Arrival order, for preemption policies.
     arrival: u64,
     blocks: Vec<BlockId>,
     tokens: Vec<u32>,
-    /// Hash of the last full block (the parent hash for the next one).
-    last_full_hash: Option<u64>,
+    /// The prefix-cache hash of each full block, in order (the last is the parent hash of the
+    /// next); `None` once pruning has dropped pages, since the blocks no longer form the prefix
+    /// their tokens say, and blocks filled after that are not cached.
+    block_hashes: Option<Vec<u64>>,
 }
 
 const NONE: u32 = u32::MAX;
@@ -237,7 +239,9 @@ impl BlockManager {
         self.arrivals += 1;
         let mut s = Sequence {
             arrival: self.arrivals,
-            ..Default::default()
+            blocks: Vec::new(),
+            tokens: Vec::new(),
+            block_hashes: Some(Vec::new()),
         };
         let mut parent = None;
         let mut reused_tokens = 0;
@@ -249,7 +253,7 @@ impl BlockManager {
                     self.retain(b);
                     s.blocks.push(b);
                     s.tokens.extend_from_slice(chunk);
-                    s.last_full_hash = Some(h);
+                    s.block_hashes.get_or_insert_default().push(h);
                     parent = Some(h);
                     reused_tokens += chunk.len();
                 }
@@ -301,7 +305,8 @@ impl BlockManager {
                 .last()
                 .expect("a partial block exists");
             let new = self.allocate().expect("counted above");
-            self.fill[new as usize] = self.fill[old as usize];
+            // This sequence's fill, which after a truncation can be less than the others'.
+            self.fill[new as usize] = (len % bt) as u32;
             self.release(old);
             *self
                 .seqs
@@ -311,6 +316,17 @@ impl BlockManager {
                 .last_mut()
                 .expect("non-empty") = new;
             out.copies.push(BlockCopy { from: old, to: new });
+        }
+        if partial && !last_shared {
+            // A page this sequence alone holds, cut short by a truncation but still cached
+            // under the tokens it held: it is about to hold others.
+            let b = *self.seqs[&seq]
+                .blocks
+                .last()
+                .expect("a partial block exists");
+            if let Some(h) = self.hash_of[b as usize].take() {
+                self.cache.remove(&h);
+            }
         }
         for &t in tokens {
             let s = self.seqs.get_mut(&seq).expect("checked");
@@ -439,12 +455,45 @@ impl BlockManager {
             s.tokens.drain(start..start + self.block_tokens);
             dropped.push(b);
         }
-        // The remaining blocks no longer form a hashed prefix chain.
-        s.last_full_hash = None;
+        // The remaining blocks no longer form a hashed prefix chain: neither they nor blocks
+        // filled later may be found by a prompt with the same tokens.
+        s.block_hashes = None;
         for &b in &dropped {
             self.release(b);
         }
         Ok(dropped)
+    }
+
+    /// Shortens `seq` to its first `len` tokens, the rollback of speculative decoding's rejected
+    /// drafts. Copies nothing: the blocks wholly past `len` lose this sequence's reference (last
+    /// to first), and the block `len` ends inside stays. If other sequences share that block,
+    /// the next append copies it first, as after a fork; if this sequence alone holds it, the
+    /// next append writes into it and takes it out of the prefix cache first. Returns the
+    /// released blocks.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<Vec<BlockId>, Error> {
+        let bt = self.block_tokens;
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(Error::UnknownSequence { seq })?;
+        let have = s.tokens.len();
+        if len > have {
+            return Err(Error::TruncatePastEnd { seq, len, have });
+        }
+        s.tokens.truncate(len);
+        if let Some(hashes) = s.block_hashes.as_mut() {
+            hashes.truncate(len / bt);
+        }
+        let released = s.blocks.split_off(len.div_ceil(bt));
+        let partial = (len % bt != 0).then(|| *s.blocks.last().expect("len > 0 has a block"));
+        for &b in released.iter().rev() {
+            self.release(b);
+        }
+        if let Some(b) = partial.filter(|&b| self.refcount[b as usize] == 1) {
+            // Still hashed: its slots keep the old tokens until the next append writes them.
+            self.fill[b as usize] = (len % bt) as u32;
+        }
+        Ok(released)
     }
 
     /// Counters and ratios now.
@@ -475,6 +524,15 @@ impl BlockManager {
                     "seq {id}: {} blocks for {} tokens",
                     s.blocks.len(),
                     s.tokens.len()
+                ));
+            }
+            if let Some(h) = &s.block_hashes
+                && h.len() != s.tokens.len() / self.block_tokens
+            {
+                return Err(format!(
+                    "seq {id}: {} block hashes for {} full blocks",
+                    h.len(),
+                    s.tokens.len() / self.block_tokens
                 ));
             }
             for &b in &s.blocks {
@@ -564,9 +622,12 @@ impl BlockManager {
     fn register_full(&mut self, seq: SeqId) {
         let bt = self.block_tokens;
         let s = self.seqs.get_mut(&seq).expect("caller checked");
+        let Some(hashes) = s.block_hashes.as_mut() else {
+            return;
+        };
         let start = s.tokens.len() - bt;
-        let h = block_hash(s.last_full_hash, &s.tokens[start..]);
-        s.last_full_hash = Some(h);
+        let h = block_hash(hashes.last().copied(), &s.tokens[start..]);
+        hashes.push(h);
         let b = *s.blocks.last().expect("a full block");
         if self.hash_of[b as usize].is_none() && !self.cache.contains_key(&h) {
             self.hash_of[b as usize] = Some(h);

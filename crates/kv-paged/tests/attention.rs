@@ -257,3 +257,51 @@ fn decode_returns_probabilities_a_tracker_accepts() {
         assert!((tracker.mass[0].iter().sum::<f32>() - q_heads as f32).abs() < 1e-3);
     }
 }
+
+#[test]
+fn a_batch_of_queries_gets_the_bits_each_gets_alone() {
+    use kv_paged::attention::{decode_heads, decode_queries};
+    for dtype in [PageDtype::F16, PageDtype::Mxfp8] {
+        let (q_heads, kv_heads, n, len) = (6, 2, 5, 37);
+        let mut s = setup(dtype, kv_heads, len);
+        let mut rng = Rng(99);
+        let stride = q_heads * 64;
+        let q = rng.vec(n * stride);
+        let heads = 1..5;
+        let mut batch = vec![vec![0f32; heads.len() * 64]; n];
+        let mut rows: Vec<&mut [f32]> = batch.iter_mut().map(Vec::as_mut_slice).collect();
+        decode_queries(
+            &s.cache,
+            1,
+            1,
+            q_heads,
+            heads.clone(),
+            len - n,
+            &q,
+            &mut rows,
+        )
+        .unwrap();
+        // The same queries one at a time, each with the cache cut after its own token.
+        for i in (0..n).rev() {
+            s.cache.truncate(1, len - n + i + 1).unwrap();
+            let mut alone = vec![0f32; heads.len() * 64];
+            decode_heads(
+                &s.cache,
+                1,
+                1,
+                q_heads,
+                heads.clone(),
+                &q[i * stride..(i + 1) * stride],
+                &mut alone,
+            )
+            .unwrap();
+            assert!(
+                alone
+                    .iter()
+                    .zip(&batch[i])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype:?}: query {i} differs from its batched result"
+            );
+        }
+    }
+}

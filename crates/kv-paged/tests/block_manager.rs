@@ -1,9 +1,12 @@
-//! The block manager: invariants under random interleavings of add/append/fork/free/drop
-//! (property test with a seeded generator), a byte-exact golden of block tables for a scripted
+//! The block manager: invariants and page contents under random interleavings of
+//! add/append/fork/free/drop/truncate (property test with a seeded generator against a shadow
+//! of what the pages hold), truncation, a byte-exact golden of block tables for a scripted
 //! workload, copy-on-write, prefix-cache reuse and eviction, out-of-blocks and preemption, and
 //! internal waste on a mixed-length workload.
 
-use kv_paged::{BlockCopy, BlockManager, Error, PreemptNewest, Slot};
+use std::collections::HashMap;
+
+use kv_paged::{Appended, BlockCopy, BlockId, BlockManager, Error, PreemptNewest, SeqId, Slot};
 
 /// xorshift64*: deterministic, dependency-free test randomness.
 struct Rng(u64);
@@ -20,41 +23,116 @@ impl Rng {
     }
 }
 
+/// What the pages would hold: the token written into each block slot, kept from the slots
+/// and copies the manager reports, and each sequence's tokens kept from the operations.
+#[derive(Default)]
+struct Shadow {
+    pages: HashMap<BlockId, Vec<Option<u32>>>,
+    seqs: HashMap<SeqId, Vec<u32>>,
+}
+
+impl Shadow {
+    fn write(&mut self, block_tokens: usize, a: &Appended, tokens: &[u32]) {
+        for c in &a.copies {
+            let page = self.pages.get(&c.from).cloned().unwrap_or_default();
+            self.pages.insert(c.to, page);
+        }
+        for (slot, &t) in a.slots.iter().zip(tokens) {
+            let page = self.pages.entry(slot.block).or_default();
+            page.resize(block_tokens, None);
+            page[slot.offset as usize] = Some(t);
+        }
+    }
+
+    /// Every sequence's table points at pages holding exactly its tokens, in order: the prefix
+    /// cache never hands out a page written for other tokens, and no write lands in a page
+    /// another sequence still reads.
+    fn check(&self, m: &BlockManager) -> Result<(), String> {
+        let bt = m.block_tokens();
+        for (&seq, tokens) in &self.seqs {
+            let table = m.block_table(seq).map_err(|e| e.to_string())?;
+            for (i, chunk) in tokens.chunks(bt).enumerate() {
+                let page = self.pages.get(&table[i]).cloned().unwrap_or_default();
+                let held: Vec<Option<u32>> = page.iter().take(chunk.len()).copied().collect();
+                let want: Vec<Option<u32>> = chunk.iter().map(|&t| Some(t)).collect();
+                if held != want {
+                    return Err(format!(
+                        "seq {seq} block {i} (page {}) holds {held:?}, not {want:?}",
+                        table[i]
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[test]
-fn invariants_hold_under_random_interleavings() {
+fn invariants_and_page_contents_hold_under_random_interleavings() {
     for seed in 1..=20u64 {
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let block_tokens = [1usize, 4, 16][(seed % 3) as usize];
         let mut m = BlockManager::new(64, block_tokens).unwrap();
+        let mut shadow = Shadow::default();
         // Prompts share prefixes drawn from a few stems, so the prefix cache sees hits.
         let stems: Vec<Vec<u32>> = (0..3)
             .map(|s| (0..40).map(|i| s * 1000 + i).collect())
             .collect();
         for step in 0..2000 {
             let seq = rng.below(10);
-            let op = rng.below(6);
+            let op = rng.below(7);
             let result = match op {
                 0 => {
                     let stem = &stems[rng.below(3) as usize];
                     let mut prompt = stem[..rng.below(40) as usize].to_vec();
                     prompt.extend((0..rng.below(20)).map(|_| rng.below(50) as u32));
-                    m.add_sequence(seq, &prompt).map(|_| ())
+                    m.add_sequence(seq, &prompt).map(|a| {
+                        // The slots are those of the tokens past the reused prefix.
+                        let fresh = prompt.len() - a.slots.len();
+                        shadow.write(block_tokens, &a, &prompt[fresh..]);
+                        shadow.seqs.insert(seq, prompt);
+                    })
                 }
                 1 | 2 => {
                     let tokens: Vec<u32> =
                         (0..rng.below(24)).map(|_| rng.below(50) as u32).collect();
-                    m.append(seq, &tokens).map(|_| ())
+                    m.append(seq, &tokens).map(|a| {
+                        shadow.write(block_tokens, &a, &tokens);
+                        shadow.seqs.get_mut(&seq).unwrap().extend(&tokens);
+                    })
                 }
-                3 => m.fork(seq, rng.below(10)),
-                4 => m.free_sequence(seq).map(|_| ()),
-                _ => {
+                3 => {
+                    let child = rng.below(10);
+                    m.fork(seq, child).map(|()| {
+                        let tokens = shadow.seqs[&seq].clone();
+                        shadow.seqs.insert(child, tokens);
+                    })
+                }
+                4 => m.free_sequence(seq).map(|_| {
+                    shadow.seqs.remove(&seq);
+                }),
+                5 => {
                     let full = m.len(seq).map(|l| l / block_tokens).unwrap_or(0);
                     if full == 0 {
                         Ok(())
                     } else {
-                        m.drop_blocks(seq, &[rng.below(full as u64) as usize])
-                            .map(|_| ())
+                        let logical = rng.below(full as u64) as usize;
+                        m.drop_blocks(seq, &[logical]).map(|_| {
+                            let start = logical * block_tokens;
+                            shadow
+                                .seqs
+                                .get_mut(&seq)
+                                .unwrap()
+                                .drain(start..start + block_tokens);
+                        })
                     }
+                }
+                _ => {
+                    let len = m.len(seq).unwrap_or(0);
+                    let keep = rng.below(len as u64 + 1) as usize;
+                    m.truncate(seq, keep).map(|_| {
+                        shadow.seqs.get_mut(&seq).unwrap().truncate(keep);
+                    })
                 }
             };
             // Errors are allowed (unknown ids, out of blocks); corrupted state is not.
@@ -69,11 +147,77 @@ fn invariants_hold_under_random_interleavings() {
                     "seed {seed} step {step}: unexpected {e}"
                 );
             }
-            if let Err(msg) = m.check_invariants() {
+            if let Err(msg) = m.check_invariants().and_then(|()| shadow.check(&m)) {
                 panic!("seed {seed} step {step} op {op}: {msg}");
             }
         }
     }
+}
+
+#[test]
+fn truncation_copies_nothing_and_the_next_append_writes_in_place_or_copies_a_shared_page() {
+    let mut m = BlockManager::new(8, 4).unwrap();
+    m.add_sequence(1, &[1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap(); // blocks 0, 1 full, 2 partial
+    // Rolling back three drafted tokens: block 2 goes back to the pool, block 1 stays.
+    assert_eq!(m.truncate(1, 6).unwrap(), vec![2]);
+    assert_eq!(m.block_table(1).unwrap(), &[0, 1]);
+    assert_eq!(m.len(1).unwrap(), 6);
+    let a = m.append(1, &[60, 70]).unwrap();
+    assert!(
+        a.copies.is_empty(),
+        "a page this sequence alone holds is rewritten in place"
+    );
+    assert_eq!(
+        a.slots,
+        vec![
+            Slot {
+                block: 1,
+                offset: 2
+            },
+            Slot {
+                block: 1,
+                offset: 3
+            }
+        ]
+    );
+    // A page shared with a fork is copied before the truncated sequence writes into it.
+    m.fork(1, 2).unwrap();
+    m.truncate(2, 5).unwrap();
+    let a = m.append(2, &[99]).unwrap();
+    assert_eq!(a.copies, vec![BlockCopy { from: 1, to: 2 }]);
+    assert_eq!(m.block_table(1).unwrap(), &[0, 1]);
+    assert_eq!(m.block_table(2).unwrap(), &[0, 2]);
+    assert_eq!(
+        m.truncate(2, 7),
+        Err(Error::TruncatePastEnd {
+            seq: 2,
+            len: 7,
+            have: 6
+        })
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_truncated_page_leaves_the_prefix_cache_and_pruned_sequences_cache_nothing() {
+    let mut m = BlockManager::new(8, 2).unwrap();
+    m.add_sequence(1, &[1, 2, 3, 4]).unwrap(); // blocks 0, 1 full and cached by hash
+    m.truncate(1, 3).unwrap();
+    m.append(1, &[40]).unwrap(); // block 1 now holds 3, 40
+    m.free_sequence(1).unwrap();
+    // [1, 2, 3, 4] must not find block 1, which no longer holds 3, 4.
+    let a = m.add_sequence(2, &[1, 2, 3, 4]).unwrap();
+    assert_eq!(a.slots.len(), 2, "only the first block is reused");
+    m.free_sequence(2).unwrap();
+    // After pruning, the pages that fill later hold tokens whose context is gone: a prompt
+    // starting with the same tokens must not be handed them.
+    m.add_sequence(3, &[7, 8, 9, 10]).unwrap();
+    m.drop_blocks(3, &[0]).unwrap();
+    m.append(3, &[11, 12]).unwrap();
+    m.free_sequence(3).unwrap();
+    let a = m.add_sequence(4, &[9, 10, 11, 12]).unwrap();
+    assert_eq!(a.slots.len(), 4, "nothing of the pruned sequence is reused");
+    m.check_invariants().unwrap();
 }
 
 #[test]

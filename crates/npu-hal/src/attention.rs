@@ -22,9 +22,15 @@ use crate::Error;
 use crate::kernels::Numerics;
 use crate::pool::{WorkerPool, share};
 
-/// Attention for `n = q.len() / (q_heads * head_dim)` queries at positions
-/// `first_pos..first_pos + n` of `seq`, whose K/V are already in the cache; query `i` sees
-/// tokens `0..=first_pos + i`. `out` has `q`'s shape.
+/// Batches of at most this many queries (a decode step, a speculative verification) are
+/// computed by kv-paged's streaming decode kernel, which gives each query the bits it would get
+/// alone; longer ones (prefill) gather each group's K/V once and use [`attend_f32`].
+pub(crate) const STREAMED_QUERIES: usize = 16;
+
+/// Attention for the last `n = q.len() / (q_heads * head_dim)` tokens of `seq`, whose K/V are
+/// already in the cache: query `i` sees the cache's tokens up to and including its own. Indices
+/// are the cache's, not positions: once pruning has dropped pages the two differ (RoPE keeps
+/// the positions). `out` has `q`'s shape.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend(
     pool: &WorkerPool,
@@ -32,7 +38,6 @@ pub(crate) fn attend(
     seq: SeqId,
     layer: usize,
     q_heads: usize,
-    first_pos: usize,
     q: &[f32],
     out: &mut [f32],
     numerics: Numerics,
@@ -41,6 +46,15 @@ pub(crate) fn attend(
     let hd = l.head_dim;
     let stride = q_heads * hd;
     let n = q.len() / stride;
+    // The cache index of the first query's token.
+    let first_pos = kv
+        .manager()
+        .len(seq)?
+        .checked_sub(n)
+        .ok_or_else(|| Error::BadOp {
+            op: 0,
+            what: format!("attention over {n} queries of a sequence with fewer cached tokens"),
+        })?;
     let parts = pool.threads().min(q_heads).max(1);
     let spans: Vec<Range<usize>> = (0..pool.threads())
         .map(|p| {
@@ -51,22 +65,6 @@ pub(crate) fn attend(
             }
         })
         .collect();
-    if n == 1 && numerics == Numerics::Standard {
-        // Decode: stream the pages, no gather.
-        let mut slices: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(spans.len());
-        let mut rest = out;
-        for s in &spans {
-            let (mine, tail) = rest.split_at_mut(s.len() * hd);
-            slices.push(Mutex::new(mine));
-            rest = tail;
-        }
-        return run_parts(pool, &spans, |p, span| {
-            let mut o = slices[p].lock().unwrap_or_else(|e| e.into_inner());
-            Ok(kv_paged::attention::decode_heads(
-                kv, seq, layer, q_heads, span, q, &mut o,
-            )?)
-        });
-    }
     // Per part, its heads' slice of every output row.
     let mut per_part: Vec<Mutex<Vec<&mut [f32]>>> = spans
         .iter()
@@ -79,6 +77,16 @@ pub(crate) fn attend(
             part.get_mut().unwrap_or_else(|e| e.into_inner()).push(mine);
             rest = tail;
         }
+    }
+    if n <= STREAMED_QUERIES && numerics == Numerics::Standard {
+        // Decode and verification batches: stream the pages, no gather, each query exactly
+        // as it would be alone.
+        return run_parts(pool, &spans, |p, span| {
+            let mut rows = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+            Ok(kv_paged::attention::decode_queries(
+                kv, seq, layer, q_heads, span, first_pos, q, &mut rows,
+            )?)
+        });
     }
     let group = q_heads / l.kv_heads;
     let scale = kv_paged::attention::default_scale(hd);

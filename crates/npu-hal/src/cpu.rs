@@ -335,15 +335,7 @@ impl CpuNpu {
                 let (qs, outs) = (gq.typed::<f32>()?, go.typed_mut::<f32>()?);
                 let kv: &kv_paged::KvCache = kv;
                 crate::attention::attend(
-                    &self.pool,
-                    kv,
-                    b.seq,
-                    layer,
-                    q_heads,
-                    b.first_pos,
-                    qs,
-                    outs,
-                    numerics,
+                    &self.pool, kv, b.seq, layer, q_heads, qs, outs, numerics,
                 )?;
             }
         }
