@@ -485,7 +485,8 @@ impl BlockManager {
             hashes.truncate(len / bt);
         }
         let released = s.blocks.split_off(len.div_ceil(bt));
-        let partial = (len % bt != 0).then(|| *s.blocks.last().expect("len > 0 has a block"));
+        let partial =
+            (!len.is_multiple_of(bt)).then(|| *s.blocks.last().expect("len > 0 has a block"));
         for &b in released.iter().rev() {
             self.release(b);
         }

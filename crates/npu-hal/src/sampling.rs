@@ -48,6 +48,8 @@ pub struct Sampler {
     params: SamplingParams,
     rng: SplitMix64,
     candidates: Vec<(f32, u32)>,
+    /// [`Sampler::sample`]'s distribution, kept to reuse its allocation.
+    dist: Vec<(u32, f64)>,
 }
 
 impl Sampler {
@@ -70,6 +72,7 @@ impl Sampler {
             rng: SplitMix64(params.seed),
             params,
             candidates: Vec::new(),
+            dist: Vec::new(),
         })
     }
 
@@ -81,26 +84,37 @@ impl Sampler {
     /// Picks the next token from `logits` (modified in place by the penalty) given the tokens so
     /// far in `history`.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> Result<u32, SamplingError> {
-        let p = &self.params;
-        if p.repetition_penalty != 1.0 {
-            let start = history.len().saturating_sub(p.penalty_window);
-            let mut seen: Vec<u32> = history[start..].to_vec();
-            seen.sort_unstable();
-            seen.dedup();
-            for &t in &seen {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
-                }
-            }
-        }
-        if p.temperature == 0.0 {
+        if self.params.temperature == 0.0 {
+            self.penalise(logits, history);
             return crate::kernels::argmax(logits)
                 .map(|(i, _)| i as u32)
                 .ok_or(SamplingError::NoCandidates);
+        }
+        let mut dist = std::mem::take(&mut self.dist);
+        let picked = self
+            .distribution(logits, history, &mut dist)
+            .map(|()| self.draw(&dist));
+        self.dist = dist;
+        picked
+    }
+
+    /// The distribution [`Sampler::sample`] draws from, into `out`: `(token, probability)` pairs,
+    /// most likely first, probabilities summing to 1, after the penalty, top-k, top-p and
+    /// temperature. Greedy settings give the argmax with probability 1. Speculative decoding's
+    /// acceptance rule compares these between the target and the draft.
+    pub fn distribution(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        out: &mut Vec<(u32, f64)>,
+    ) -> Result<(), SamplingError> {
+        self.penalise(logits, history);
+        let p = &self.params;
+        out.clear();
+        if p.temperature == 0.0 {
+            let (i, _) = crate::kernels::argmax(logits).ok_or(SamplingError::NoCandidates)?;
+            out.push((i as u32, 1.0));
+            return Ok(());
         }
         let c = &mut self.candidates;
         c.clear();
@@ -127,34 +141,69 @@ impl Sampler {
         c.sort_unstable_by(by_logit);
         // Softmax at temperature 1 for top-p (as llama.cpp does), then temperature.
         let max = c[0].0;
-        let mut probs: Vec<f64> = c.iter().map(|&(l, _)| f64::from(l - max).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        let mut keep = probs.len();
+        let total: f64 = c.iter().map(|&(l, _)| f64::from(l - max).exp()).sum();
+        let mut keep = c.len();
         if p.top_p < 1.0 {
             let mut cum = 0.0;
-            for (i, q) in probs.iter().enumerate() {
-                cum += q / total;
+            for (i, &(l, _)) in c.iter().enumerate() {
+                cum += f64::from(l - max).exp() / total;
                 if cum >= f64::from(p.top_p) {
                     keep = i + 1;
                     break;
                 }
             }
         }
-        c.truncate(keep);
-        probs.truncate(keep);
         let inv_t = 1.0 / f64::from(p.temperature);
-        for (q, &(l, _)) in probs.iter_mut().zip(c.iter()) {
-            *q = (f64::from(l - max) * inv_t).exp();
+        out.extend(
+            c[..keep]
+                .iter()
+                .map(|&(l, id)| (id, (f64::from(l - max) * inv_t).exp())),
+        );
+        let total: f64 = out.iter().map(|&(_, q)| q).sum();
+        for (_, q) in out.iter_mut() {
+            *q /= total;
         }
-        let total: f64 = probs.iter().sum();
-        let mut r = self.rng.next_f64() * total;
-        for (q, &(_, id)) in probs.iter().zip(c.iter()) {
+        Ok(())
+    }
+
+    /// Draws a token from `dist` (as [`Sampler::distribution`] makes it), using one uniform draw
+    /// of this sampler's generator. An empty distribution gives token 0.
+    pub fn draw(&mut self, dist: &[(u32, f64)]) -> u32 {
+        let total: f64 = dist.iter().map(|&(_, q)| q).sum();
+        let mut r = self.uniform() * total;
+        for &(id, q) in dist {
             r -= q;
             if r <= 0.0 {
-                return Ok(id);
+                return id;
             }
         }
-        Ok(c[keep - 1].1)
+        dist.last().map_or(0, |&(id, _)| id)
+    }
+
+    /// A uniform draw in `[0, 1)` from this sampler's generator (an acceptance test's coin).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
+    /// The repetition penalty, applied to `logits` in place.
+    fn penalise(&self, logits: &mut [f32], history: &[u32]) {
+        let p = &self.params;
+        if p.repetition_penalty == 1.0 {
+            return;
+        }
+        let start = history.len().saturating_sub(p.penalty_window);
+        let mut seen: Vec<u32> = history[start..].to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        for &t in &seen {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = if *l > 0.0 {
+                    *l / p.repetition_penalty
+                } else {
+                    *l * p.repetition_penalty
+                };
+            }
+        }
     }
 }
 

@@ -585,6 +585,24 @@ impl Decoder {
         Arc::clone(&self.timeline)
     }
 
+    /// Rolls the sequence back to its first `len` tokens, the rollback of rejected speculative
+    /// drafts: the KV cache's block table is cut (kv-paged's `truncate`), and nothing is copied
+    /// or recomputed. The next forward continues from position `len`.
+    ///
+    /// # Errors
+    /// `len` past the sequence, or a KV cache error.
+    pub fn truncate(&mut self, len: usize) -> Result<(), DecodeError> {
+        if len > self.len {
+            return Err(DecodeError::BadInput(format!(
+                "cannot truncate a sequence of {} tokens to {len}",
+                self.len
+            )));
+        }
+        self.kv.truncate(self.seq, len)?;
+        self.len = len;
+        Ok(())
+    }
+
     /// Drops the current sequence and starts an empty one.
     pub fn reset(&mut self) -> Result<(), DecodeError> {
         self.kv.free_sequence(self.seq)?;

@@ -6,7 +6,8 @@
 //!   input) behind [`model::TensorSource`], and the tokenizer with its chat templates.
 //! - [`decoder`]: the LLaMA-family decoder over npu-hal with per-class weight policies;
 //!   [`mxcache`] saves converted weights; [`llm`] holds generation, llama.cpp-method perplexity
-//!   and llama-bench-style measurement; [`quantize`] converts a model offline (calibrated
+//!   and llama-bench-style measurement; [`speculative`] drafts tokens (n-gram lookup or a
+//!   smaller model) for one-batch verification; [`quantize`] converts a model offline (calibrated
 //!   GPTQ, block rotations) into a GGUF file of MX matrices.
 //! - [`vision`] (CPU) and [`vision_gpu`] (WGSL through wgpu): the SigLIP tower and the SmolVLM
 //!   connector.
@@ -42,6 +43,7 @@ pub mod llm;
 pub mod model;
 pub mod mxcache;
 pub mod quantize;
+pub mod speculative;
 #[cfg(feature = "vision")]
 pub mod vision;
 #[cfg(feature = "vision")]

@@ -16,6 +16,7 @@ use npu_hal::{CpuConfig, CpuNpu};
 
 use crate::decoder::{DecodeError, Decoder, DecoderOptions};
 use crate::model::tokenizer::Tokenizer;
+use crate::speculative::{Draft, DraftControl, DraftStats, Drafter, Verdict};
 
 /// Which npu-hal device the decoder runs on (`--device`, `device =` in a chain TOML).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +113,74 @@ pub fn open_decoder_on(
     Ok((decoder, tokenizer))
 }
 
+/// Where drafts come from (`--draft`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DraftSource {
+    /// Prompt lookup ([`crate::speculative::NgramDrafter`]).
+    Ngram,
+    /// A smaller model with the same vocabulary ([`crate::speculative::ModelDrafter`]).
+    Model(std::path::PathBuf),
+}
+
+impl std::str::FromStr for DraftSource {
+    type Err = DecodeError;
+
+    fn from_str(s: &str) -> Result<DraftSource, DecodeError> {
+        match s {
+            "ngram" => Ok(DraftSource::Ngram),
+            "" => Err(DecodeError::BadInput(
+                "--draft needs ngram or a model path".into(),
+            )),
+            path => Ok(DraftSource::Model(path.into())),
+        }
+    }
+}
+
+/// Opens a draft model for `target` on `device`: the same context, KV dtype and batch limits,
+/// the policy its file records (else `default`). Refuses a model whose vocabulary differs from
+/// the target's: by size, and token by token where both have tokenizers.
+pub fn open_draft_model(
+    path: &Path,
+    target: &Decoder,
+    target_tokenizer: Option<&Tokenizer>,
+    device: Box<dyn npu_hal::Device>,
+    sampling: &SamplingParams,
+) -> Result<crate::speculative::ModelDrafter, DecodeError> {
+    let policy_name = recorded_policy(path)?.unwrap_or_else(|| "default".into());
+    let t = target.options();
+    let options = DecoderOptions {
+        policy: crate::decoder::WeightPolicy::parse(&policy_name)?,
+        ctx: t.ctx,
+        max_batch: t.max_batch,
+        max_logit_rows: 1,
+        kv_dtype: t.kv_dtype,
+        cache: None,
+    };
+    let (draft, tokenizer) = open_decoder_on(path, options, device)?;
+    let (dv, tv) = (draft.config().vocab_size, target.config().vocab_size);
+    if dv != tv {
+        return Err(DecodeError::BadInput(format!(
+            "draft model {} has a vocabulary of {dv} tokens, the target {tv}: a draft must share the target's tokenizer",
+            path.display()
+        )));
+    }
+    if let (Some(a), Some(b)) = (target_tokenizer, tokenizer.as_ref())
+        && let Some(id) = (0..tv as u32).find(|&id| a.token_bytes(id) != b.token_bytes(id))
+    {
+        return Err(DecodeError::BadInput(format!(
+            "draft model {}: token {id} is {:?} there and {:?} in the target: a draft must share the target's tokenizer",
+            path.display(),
+            b.token_to_piece(id),
+            a.token_to_piece(id)
+        )));
+    }
+    // Decode is bandwidth-bound: a drafted token costs about the draft's share of the bytes
+    // streamed per step.
+    let cost = draft.report().stream_bytes_per_token as f64
+        / target.report().stream_bytes_per_token.max(1) as f64;
+    crate::speculative::ModelDrafter::new(draft, sampling, cost)
+}
+
 /// The weight policy `model` was quantized with, when `pipeline quantize` made it (a GGUF file
 /// recording [`crate::model::gguf::POLICY_KEY`]); `None` for any other model.
 ///
@@ -178,6 +247,8 @@ pub struct GenerationStats {
     pub time_to_first_token: Duration,
     /// Time of the remaining tokens.
     pub decode_time: Duration,
+    /// Speculative decoding's counters (steps are counted without it too).
+    pub draft: DraftStats,
 }
 
 impl GenerationStats {
@@ -215,12 +286,43 @@ pub fn generate_constrained(
     sampling: SamplingParams,
     stop: &[u32],
     grammar: Option<&crate::grammar::Grammar>,
+    on_token: impl FnMut(u32) -> bool,
+) -> Result<GenerationStats, DecodeError> {
+    generate_speculative(
+        decoder, prompt, max_tokens, sampling, stop, grammar, None, on_token,
+    )
+}
+
+/// A drafter and its controller, for [`generate_speculative`].
+#[derive(Debug)]
+pub struct Speculation<'a> {
+    pub drafter: &'a mut dyn Drafter,
+    pub control: DraftControl,
+}
+
+/// [`generate_constrained`] with speculative decoding when `speculation` is given (see
+/// [`crate::speculative`]): each step feeds the last token and the drafts in one batch, keeps
+/// the drafts the target agrees with, and truncates the rest from the KV cache. Greedy output
+/// is token for token that of plain decoding; sampled output has the same distribution.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_speculative(
+    decoder: &mut Decoder,
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: &[u32],
+    grammar: Option<&crate::grammar::Grammar>,
+    mut speculation: Option<Speculation<'_>>,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<GenerationStats, DecodeError> {
     let grammar_error = |e: crate::grammar::GrammarError| DecodeError::Sampling(e.to_string());
+    let sampling_error = |e: npu_hal::sampling::SamplingError| DecodeError::Sampling(e.to_string());
     let mut state = grammar.map(|g| g.start());
-    let mut sampler = Sampler::new(sampling).map_err(|e| DecodeError::Sampling(e.to_string()))?;
+    let mut sampler = Sampler::new(sampling).map_err(sampling_error)?;
     decoder.reset()?;
+    if let Some(s) = speculation.as_mut() {
+        s.drafter.reset()?;
+    }
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
         ..GenerationStats::default()
@@ -228,36 +330,103 @@ pub fn generate_constrained(
     if prompt.is_empty() || max_tokens == 0 {
         return Ok(stats);
     }
+    let vocab = decoder.config().vocab_size;
     let mut history: Vec<u32> = prompt.to_vec();
     let start = Instant::now();
-    let mut logits = decoder.forward_last(prompt)?;
+    // rows[i * vocab..] predicts the token after the pass's i-th fed token.
+    let mut rows = decoder.forward_last(prompt)?;
+    let mut draft = Draft::default();
+    let mut dist = Vec::new();
     let mut first = None;
-    for i in 0..max_tokens {
-        if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-            g.mask(s, &mut logits).map_err(grammar_error)?;
-        }
-        let next = sampler
-            .sample(&mut logits, &history)
-            .map_err(|e| DecodeError::Sampling(e.to_string()))?;
-        if i == 0 {
-            stats.time_to_first_token = start.elapsed();
-            first = Some(Instant::now());
-        }
-        if stop.contains(&next) {
+    // Where the pass's fed tokens start in the sequence.
+    let mut fed_from = 0;
+    loop {
+        // Walk the pass's rows: row i checks draft i (if any) and gives the next token.
+        let mut accepted = 0;
+        let mut pending = None;
+        for i in 0..=draft.tokens.len() {
+            let logits = &mut rows[i * vocab..(i + 1) * vocab];
+            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
+                g.mask(s, logits).map_err(grammar_error)?;
+            }
+            let drafted = draft.tokens.get(i).copied();
+            let token = match drafted {
+                Some(d) => {
+                    sampler
+                        .distribution(logits, &history, &mut dist)
+                        .map_err(sampling_error)?;
+                    let q = draft.dists.get(i).map(Vec::as_slice);
+                    match crate::speculative::verify(&mut sampler, &dist, d, q) {
+                        Verdict::Accept => d,
+                        Verdict::Replace(t) => t,
+                    }
+                }
+                None => sampler.sample(logits, &history).map_err(sampling_error)?,
+            };
+            if first.is_none() {
+                stats.time_to_first_token = start.elapsed();
+                first = Some(Instant::now());
+            }
+            if stop.contains(&token) {
+                break;
+            }
+            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
+                g.advance(s, token).map_err(grammar_error)?;
+            }
+            stats.generated += 1;
+            history.push(token);
+            let exhausted = grammar
+                .zip(state.as_ref())
+                .is_some_and(|(g, s)| g.is_exhausted(s));
+            if !on_token(token) || exhausted || stats.generated == max_tokens {
+                break;
+            }
+            if drafted == Some(token) {
+                // Its K/V is in the cache already (it was fed as draft i).
+                accepted += 1;
+                continue;
+            }
+            pending = Some(token);
             break;
         }
-        if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-            g.advance(s, next).map_err(grammar_error)?;
+        if let Some(s) = speculation.as_mut() {
+            s.control.record(draft.tokens.len(), accepted);
+            stats.draft.accepted += accepted;
         }
-        stats.generated += 1;
-        history.push(next);
-        let exhausted = grammar
-            .zip(state.as_ref())
-            .is_some_and(|(g, s)| g.is_exhausted(s));
-        if !on_token(next) || exhausted || i + 1 == max_tokens {
+        let Some(pending) = pending else {
             break;
+        };
+        // Roll back the drafts after the first rejected one.
+        if !draft.tokens.is_empty() {
+            decoder.truncate(fed_from + 1 + accepted)?;
         }
-        decoder.forward_last_into(&[next], &mut logits)?;
+        draft.tokens.clear();
+        draft.dists.clear();
+        if let Some(s) = speculation.as_mut() {
+            // A pass can emit k + 1 tokens and must fit in the context.
+            let room = decoder.options().ctx.saturating_sub(decoder.len() + 1);
+            let left = max_tokens - stats.generated - 1;
+            let k = s
+                .control
+                .tokens(s.drafter.cost_per_token())
+                .min(room)
+                .min(left);
+            if k > 0 {
+                s.drafter.draft(&history, k, &mut draft)?;
+                draft.tokens.truncate(k);
+                draft.dists.truncate(k);
+            }
+        }
+        stats.draft.steps += 1;
+        stats.draft.drafted += draft.tokens.len();
+        let mut feed = Vec::with_capacity(draft.tokens.len() + 1);
+        feed.push(pending);
+        feed.extend_from_slice(&draft.tokens);
+        rows.resize(feed.len() * vocab, 0.0);
+        fed_from = decoder.len();
+        decoder.forward(&feed, 0..feed.len(), |i, l| {
+            rows[i * vocab..(i + 1) * vocab].copy_from_slice(l)
+        })?;
     }
     stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
     Ok(stats)

@@ -133,6 +133,8 @@ enum Cmd {
         /// Constrain the completion to this Lark grammar (a .lark file, llguidance's dialect).
         #[arg(long)]
         grammar: Option<PathBuf>,
+        #[command(flatten)]
+        draft: DraftArgs,
     },
     /// Perplexity of a text file, by llama.cpp's method (comparable with llama-perplexity).
     Perplexity {
@@ -569,6 +571,52 @@ impl ModelArgs {
     }
 }
 
+/// Speculative decoding's flags (`generate`, `run`).
+#[derive(clap::Args, Debug, Clone)]
+struct DraftArgs {
+    /// Draft tokens for one-batch verification: `ngram` (prompt lookup in the context) or a
+    /// smaller model with the same tokenizer (a .gguf file or checkpoint directory). Greedy
+    /// output is unchanged; sampled output keeps its distribution.
+    #[arg(long)]
+    draft: Option<String>,
+    /// The most tokens a step drafts (1 to 15); fewer, or none, while acceptance is low.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=15))]
+    draft_tokens: u16,
+}
+
+impl DraftArgs {
+    /// The drafter these flags ask for, opened for `target` (a draft model on the target's
+    /// kind of device, with `threads` workers).
+    fn open(
+        &self,
+        target: &pipeline::decoder::Decoder,
+        tokenizer: Option<&pipeline::model::tokenizer::Tokenizer>,
+        model: &ModelArgs,
+        sampling: &npu_hal::sampling::SamplingParams,
+    ) -> Result<Option<Box<dyn pipeline::speculative::Drafter>>, Box<dyn std::error::Error>> {
+        use pipeline::llm::DraftSource;
+        let Some(source) = &self.draft else {
+            return Ok(None);
+        };
+        Ok(Some(match source.parse::<DraftSource>()? {
+            DraftSource::Ngram => Box::new(pipeline::speculative::NgramDrafter::default()),
+            DraftSource::Model(path) => {
+                let (device, _) = pipeline::llm::open_device(model.device.parse()?, model.threads)?;
+                let drafter =
+                    pipeline::llm::open_draft_model(&path, target, tokenizer, device, sampling)?;
+                let r = drafter.decoder().report();
+                eprintln!(
+                    "draft model {}: {:.1} MiB of weights, {:.2} of the target's bytes per token",
+                    path.display(),
+                    r.weight_bytes as f64 / (1 << 20) as f64,
+                    pipeline::speculative::Drafter::cost_per_token(&drafter)
+                );
+                Box::new(drafter)
+            }
+        }))
+    }
+}
+
 /// `pipeline quantize`'s flags.
 #[derive(clap::Args, Debug)]
 struct QuantizeArgs {
@@ -867,8 +915,14 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             regex,
             json_schema,
             grammar,
+            draft,
         } => {
-            let (mut decoder, tokenizer) = model.open(1)?;
+            let verify_rows = if draft.draft.is_some() {
+                usize::from(draft.draft_tokens) + 1
+            } else {
+                1
+            };
+            let (mut decoder, tokenizer) = model.open(verify_rows)?;
             let grammar = match (
                 &tokenizer,
                 regex.is_some() || json_schema.is_some() || grammar.is_some(),
@@ -912,17 +966,28 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 seed,
                 ..Default::default()
             };
+            let mut drafter = draft.open(&decoder, tokenizer.as_ref(), &model, &sampling)?;
+            let speculation = drafter
+                .as_deref_mut()
+                .map(|drafter| pipeline::llm::Speculation {
+                    drafter,
+                    control: pipeline::speculative::DraftControl::new(
+                        usize::from(draft.draft_tokens),
+                        pipeline::speculative::CPU_ROW_COST,
+                    ),
+                });
             let mut stdout = std::io::stdout().lock();
             let mut stream = tokenizer.as_ref().map(|t| t.stream_decoder());
             let mut generated = Vec::new();
             let mut write_error = None;
-            let stats = pipeline::llm::generate_constrained(
+            let stats = pipeline::llm::generate_speculative(
                 &mut decoder,
                 &ids,
                 max_tokens,
                 sampling,
                 &stop,
                 grammar.as_ref(),
+                speculation,
                 |id| {
                     generated.push(id);
                     if print_ids {
@@ -962,6 +1027,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 stats.generated,
                 stats.decode_tokens_per_s()
             );
+            if drafter.is_some() {
+                let d = &stats.draft;
+                eprintln!(
+                    "draft_acceptance {:.3} ({} of {} drafted), draft_tokens_per_step {:.2}, {:.2} tokens per decoder pass",
+                    d.acceptance(),
+                    d.accepted,
+                    d.drafted,
+                    d.drafted_per_step(),
+                    stats.generated.saturating_sub(1) as f64 / d.steps.max(1) as f64
+                );
+            }
             Ok(())
         }
         Cmd::Perplexity { model, file } => {
