@@ -950,6 +950,127 @@ mod vision {
     }
 }
 
+mod speculative {
+    //! Speculative decoding's two costs and its payoff, on SmolLM2-135M (default policy, the
+    //! CPU NPU on every core) when its GGUF is at `$SMOLLM2_GGUF` or
+    //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`, else the tiny fixture (ids say which):
+    //! - `decode_verify/rows`: one decoder pass over 1, 2, 4, 8 and 16 rows at a 256-token
+    //!   context, rolled back after each (the rollback's cost included). Its slope over the
+    //!   one-row pass is `speculative::CPU_ROW_COST`.
+    //! - `speculative_generate`: 128 greedy tokens of fixtures/prompts/repeat-passage.txt,
+    //!   plain and with `ngram` drafts (the copy-heavy target: 1.5x), and of the README's
+    //!   story prompt (not below 0.97x).
+
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use criterion::{BenchmarkId, Criterion};
+    use npu_hal::sampling::SamplingParams;
+    use pipeline::decoder::{Decoder, DecoderOptions, WeightPolicy};
+    use pipeline::speculative::{CPU_ROW_COST, DraftControl, NgramDrafter};
+
+    fn open() -> (
+        &'static str,
+        Decoder,
+        Option<pipeline::model::tokenizer::Tokenizer>,
+    ) {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let smollm2 = std::env::var_os("SMOLLM2_GGUF").map_or_else(
+            || root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            PathBuf::from,
+        );
+        let (name, path) = if smollm2.is_file() {
+            ("smollm2", smollm2)
+        } else {
+            eprintln!("speculative benches: no SmolLM2 GGUF, using fixtures/tiny-llama");
+            ("tiny", root.join("fixtures/tiny-llama/tiny.gguf"))
+        };
+        let options = DecoderOptions {
+            policy: WeightPolicy::parse("default").unwrap(),
+            ctx: 512,
+            max_batch: 512,
+            max_logit_rows: 16,
+            kv_dtype: kv_paged::PageDtype::F16,
+            cache: None,
+        };
+        let (d, tok) = pipeline::llm::open_decoder(&path, options, 0).unwrap();
+        (name, d, tok)
+    }
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let (model, mut d, tok) = open();
+        let vocab = d.config().vocab_size as u32;
+        let context: Vec<u32> = (0..256u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let mut group = c.benchmark_group("decode_verify");
+        group
+            .sample_size(30)
+            .measurement_time(Duration::from_secs(4));
+        d.reset().unwrap();
+        d.forward_last(&context).unwrap();
+        for rows in [1usize, 2, 4, 8, 16] {
+            let feed: Vec<u32> = (0..rows as u32).map(|i| (i * 31 + 5) % vocab).collect();
+            group.bench_function(BenchmarkId::new(format!("{model}/rows"), rows), |b| {
+                b.iter(|| {
+                    d.forward(&feed, 0..rows, |_, l| {
+                        std::hint::black_box(l[0]);
+                    })
+                    .unwrap();
+                    d.truncate(context.len()).unwrap();
+                })
+            });
+        }
+        group.finish();
+        let Some(tok) = tok else {
+            return;
+        };
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let passage =
+            std::fs::read_to_string(root.join("fixtures/prompts/repeat-passage.txt")).unwrap();
+        let bos = d.config().add_bos;
+        let prompts = [
+            (
+                "repeat-passage",
+                tok.encode(passage.trim_end(), bos).unwrap(),
+            ),
+            (
+                "story",
+                tok.encode("Once upon a time, there was a little robot who", bos)
+                    .unwrap(),
+            ),
+        ];
+        let mut group = c.benchmark_group("speculative_generate");
+        group
+            .sample_size(10)
+            .measurement_time(Duration::from_secs(8));
+        for (name, prompt) in &prompts {
+            for drafting in [false, true] {
+                let label = if drafting { "ngram" } else { "plain" };
+                group.bench_function(BenchmarkId::new(format!("{model}/{name}"), label), |b| {
+                    b.iter(|| {
+                        let mut ngram = NgramDrafter::default();
+                        let speculation = drafting.then(|| pipeline::llm::Speculation {
+                            drafter: &mut ngram,
+                            control: DraftControl::new(8, CPU_ROW_COST),
+                        });
+                        pipeline::llm::generate_speculative(
+                            &mut d,
+                            prompt,
+                            128,
+                            SamplingParams::default(),
+                            &[],
+                            None,
+                            speculation,
+                            |_| true,
+                        )
+                        .unwrap()
+                    })
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
 criterion_group!(
     benches,
     bandwidth::bench,
@@ -961,6 +1082,7 @@ criterion_group!(
     kv::bench,
     isp::bench,
     grammar::bench,
+    speculative::bench,
     vision::bench
 );
 criterion_main!(benches);

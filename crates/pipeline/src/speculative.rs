@@ -93,6 +93,16 @@ impl Default for NgramDrafter {
 }
 
 impl NgramDrafter {
+    /// A drafter matching n-grams of `min_ngram..=max_ngram` tokens, longest first, keeping
+    /// the default 8 remembered texts.
+    pub fn new(min_ngram: usize, max_ngram: usize) -> NgramDrafter {
+        NgramDrafter {
+            min_ngram,
+            max_ngram,
+            ..NgramDrafter::default()
+        }
+    }
+
     /// Adds a text (token ids) to search after the context: `pipeline run` adds each reply, so
     /// a frame's reply can draft from the previous frames' replies.
     pub fn remember(&mut self, tokens: &[u32]) {
@@ -264,9 +274,11 @@ pub struct DraftControl {
     next_rest: usize,
 }
 
-/// The extra cost of one more verified row on the CPU NPU, relative to a one-token step
-/// (SmolLM2-135M, default policy, 2 threads: `cargo bench --bench speculative`, 2026-12-01).
-pub const CPU_ROW_COST: f64 = 0.12;
+/// The extra cost of one more verified row on the CPU NPU, relative to a one-token step:
+/// SmolLM2-135M, default policy, 2 threads, 256-token context, 4.82 ms for one row and 27.03 ms
+/// for 16 (`cargo bench -p benches --bench bench_main -- decode_verify`, 2026-12-01). On two
+/// cores the batched linear layers are compute-bound, so rows are far from free.
+pub const CPU_ROW_COST: f64 = 0.31;
 
 impl DraftControl {
     /// A controller drafting at most `max_tokens` (clamped to [`MAX_DRAFT_TOKENS`]) per step.
@@ -289,7 +301,8 @@ impl DraftControl {
     pub fn tokens(&mut self, draft_cost: f64) -> usize {
         if self.resting > 0 {
             self.resting -= 1;
-            return 0;
+            // The rest's last step probes with one token (when a draft is there to try).
+            return usize::from(self.resting == 0);
         }
         let a = self.acceptance.clamp(0.0, 0.999);
         // Expected tokens per step with k drafts: 1 + a + ... + a^k (the last is the target's
@@ -409,4 +422,60 @@ pub(crate) fn verify(
         return Verdict::Accept;
     }
     Verdict::Replace(sampler.draw(&residual))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_takes_the_longest_most_recent_match_then_remembered_texts() {
+        let mut d = NgramDrafter::new(1, 3);
+        let mut draft = Draft::default();
+        // "5 6" occurs twice; the later occurrence (followed by 9) wins over the earlier (7).
+        d.draft(&[5, 6, 7, 1, 5, 6, 9, 2, 5, 6], 3, &mut draft)
+            .unwrap();
+        assert_eq!(draft.tokens, vec![9, 2, 5]);
+        // The 3-gram "1 5 6" beats the more recent 2-gram "5 6".
+        d.draft(&[1, 5, 6, 7, 8, 5, 6, 3, 1, 5, 6], 2, &mut draft)
+            .unwrap();
+        assert_eq!(draft.tokens, vec![7, 8]);
+        // No match in the context: a remembered reply drafts.
+        d.draft(&[40, 41, 42], 4, &mut draft).unwrap();
+        assert!(draft.tokens.is_empty());
+        d.remember(&[41, 42, 43, 44]);
+        d.draft(&[40, 41, 42], 4, &mut draft).unwrap();
+        assert_eq!(draft.tokens, vec![43, 44]);
+        assert!(draft.dists.is_empty(), "lookup drafts are deterministic");
+    }
+
+    #[test]
+    fn control_drafts_less_while_drafts_fail_and_probes_again() {
+        let mut c = DraftControl::new(8, CPU_ROW_COST);
+        let first = c.tokens(0.0);
+        assert!(
+            first > 1,
+            "a fresh controller drafts several tokens, got {first}"
+        );
+        for _ in 0..8 {
+            let k = c.tokens(0.0).max(1);
+            c.record(k, 0);
+        }
+        // After a run of rejections it rests, then tries a single token.
+        let resting: Vec<usize> = (0..80).map(|_| c.tokens(0.0)).collect();
+        assert!(
+            resting.iter().filter(|&&k| k == 0).count() > 40,
+            "{resting:?}"
+        );
+        assert!(resting.iter().all(|&k| k <= 1), "{resting:?}");
+        // Once drafts are accepted again it drafts more (after the rest it is in).
+        for _ in 0..200 {
+            let k = c.tokens(0.0);
+            c.record(k, k);
+        }
+        assert!(c.tokens(0.0) >= 4, "acceptance {}", c.acceptance());
+        // An expensive drafter drafts fewer tokens at the same acceptance.
+        let fresh = || DraftControl::new(8, CPU_ROW_COST);
+        assert!(fresh().tokens(0.3) < fresh().tokens(0.0));
+    }
 }
