@@ -16,7 +16,11 @@ pub fn default_scale(head_dim: usize) -> f32 {
     1.0 / (head_dim as f32).sqrt()
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// The dot product of every attention kernel here, public so that other attention kernels
+/// (npu-hal's prefill) compute scores with the same bits: a query's output then does not depend
+/// on which kernel, or which batch, computed it.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent sums so the compiler vectorises the loop. Plain `a * b + c`, not
     // `mul_add`: without FMA in the baseline target, `mul_add` is a libm call per element.
     let mut acc = [0f32; 8];

@@ -173,6 +173,12 @@ impl KvCache {
         Ok(a)
     }
 
+    /// Starts a sequence with the cached prefix of `prompt` (see
+    /// [`BlockManager::add_cached_prefix`]); returns its length in tokens.
+    pub fn add_cached_prefix(&mut self, seq: SeqId, prompt: &[u32]) -> Result<usize, Error> {
+        self.manager.add_cached_prefix(seq, prompt)
+    }
+
     /// Appends tokens (see [`BlockManager::append`]); copy-on-write copies are done here.
     pub fn append(&mut self, seq: SeqId, tokens: &[u32]) -> Result<Appended, Error> {
         let a = self.manager.append(seq, tokens)?;
@@ -188,6 +194,12 @@ impl KvCache {
     /// Frees a sequence.
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<(), Error> {
         self.manager.free_sequence(seq).map(|_| ())
+    }
+
+    /// Frees a sequence whose pages may be incomplete, so the prefix cache forgets them (see
+    /// [`BlockManager::forget_sequence`]).
+    pub fn forget_sequence(&mut self, seq: SeqId) -> Result<(), Error> {
+        self.manager.forget_sequence(seq).map(|_| ())
     }
 
     /// Shortens a sequence to its first `len` tokens (see [`BlockManager::truncate`]); nothing

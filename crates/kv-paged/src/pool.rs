@@ -233,6 +233,21 @@ impl BlockManager {
     /// whose prefix hash is cached, and allocating the rest. Returns the slots of the tokens that
     /// still need their K/V written (those past the reused prefix).
     pub fn add_sequence(&mut self, seq: SeqId, prompt: &[u32]) -> Result<Appended, Error> {
+        let reused = self.add_cached_prefix(seq, prompt)?;
+        match self.append(seq, &prompt[reused..]) {
+            Ok(a) => Ok(a),
+            Err(e) => {
+                // Leave no half-made sequence behind.
+                let _ = self.free_sequence(seq);
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts sequence `seq` with only the longest prefix of `prompt` the prefix cache holds,
+    /// in whole blocks, and returns its length in tokens: the caller computes the rest and
+    /// appends it. This is how a prompt shared across requests is prefilled once.
+    pub fn add_cached_prefix(&mut self, seq: SeqId, prompt: &[u32]) -> Result<usize, Error> {
         if self.seqs.contains_key(&seq) {
             return Err(Error::SequenceExists { seq });
         }
@@ -244,7 +259,6 @@ impl BlockManager {
             block_hashes: Some(Vec::new()),
         };
         let mut parent = None;
-        let mut reused_tokens = 0;
         for chunk in prompt.chunks_exact(self.block_tokens) {
             let h = block_hash(parent, chunk);
             match self.cache.get(&h) {
@@ -255,7 +269,6 @@ impl BlockManager {
                     s.tokens.extend_from_slice(chunk);
                     s.block_hashes.get_or_insert_default().push(h);
                     parent = Some(h);
-                    reused_tokens += chunk.len();
                 }
                 None => {
                     self.cache_misses += 1;
@@ -263,15 +276,9 @@ impl BlockManager {
                 }
             }
         }
+        let reused = s.tokens.len();
         self.seqs.insert(seq, s);
-        match self.append(seq, &prompt[reused_tokens..]) {
-            Ok(a) => Ok(a),
-            Err(e) => {
-                // Leave no half-made sequence behind.
-                let _ = self.free_sequence(seq);
-                Err(e)
-            }
-        }
+        Ok(reused)
     }
 
     /// Appends `tokens` to `seq`, allocating blocks as they fill; a shared last block is copied
@@ -428,6 +435,21 @@ impl BlockManager {
             self.release(b);
         }
         Ok(s.blocks)
+    }
+
+    /// Frees `seq` like [`BlockManager::free_sequence`], except that the blocks it leaves
+    /// unreferenced also leave the prefix cache: for a sequence whose K/V may be incomplete (a
+    /// failed submission), whose pages must not be found by a later prompt.
+    pub fn forget_sequence(&mut self, seq: SeqId) -> Result<Vec<BlockId>, Error> {
+        let blocks = self.block_table(seq)?.to_vec();
+        for &b in &blocks {
+            if self.refcount[b as usize] == 1
+                && let Some(h) = self.hash_of[b as usize].take()
+            {
+                self.cache.remove(&h);
+            }
+        }
+        self.free_sequence(seq)
     }
 
     /// Drops the full logical blocks `logical` of `seq` from its table (whole-page eviction by a

@@ -1,5 +1,5 @@
 //! The block manager: invariants and page contents under random interleavings of
-//! add/append/fork/free/drop/truncate (property test with a seeded generator against a shadow
+//! add/append/fork/free/forget/drop/truncate (property test with a seeded generator against a shadow
 //! of what the pages hold), truncation, a byte-exact golden of block tables for a scripted
 //! workload, copy-on-write, prefix-cache reuse and eviction, out-of-blocks and preemption, and
 //! internal waste on a mixed-length workload.
@@ -80,7 +80,7 @@ fn invariants_and_page_contents_hold_under_random_interleavings() {
             .collect();
         for step in 0..2000 {
             let seq = rng.below(10);
-            let op = rng.below(7);
+            let op = rng.below(8);
             let result = match op {
                 0 => {
                     let stem = &stems[rng.below(3) as usize];
@@ -127,6 +127,9 @@ fn invariants_and_page_contents_hold_under_random_interleavings() {
                         })
                     }
                 }
+                6 => m.forget_sequence(seq).map(|_| {
+                    shadow.seqs.remove(&seq);
+                }),
                 _ => {
                     let len = m.len(seq).unwrap_or(0);
                     let keep = rng.below(len as u64 + 1) as usize;

@@ -177,7 +177,9 @@ fn attend_f32_body(
     out: &mut [f32],
 ) {
     scores.clear();
-    scores.extend((0..len).map(|t| crate::kernels::dot(q, &k[t * hd..(t + 1) * hd]) * scale));
+    // kv-paged's dot and the same softmax and weighted sum as its streaming kernel, operation
+    // for operation: a query's output is the same whichever path computed it.
+    scores.extend((0..len).map(|t| kv_paged::attention::dot(q, &k[t * hd..(t + 1) * hd]) * scale));
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
     let mut sum = 0.0;
     for s in scores.iter_mut() {

@@ -323,6 +323,31 @@ pub struct Decoder {
     logits_scratch: Vec<f32>,
     /// The name of every matrix, by its id on the device.
     matrix_names: std::collections::HashMap<WeightId, String>,
+    /// Start fresh sequences from the KV prefix cache ([`Decoder::set_prefix_reuse`]).
+    prefix_reuse: bool,
+    /// Tokens the current sequence took from the prefix cache.
+    prefix_reused: usize,
+}
+
+/// Input embeddings that replace a run of a sequence's rows (an image encoder's output, read in
+/// place from its unified buffer): rows `start..start + data.len() / hidden`.
+#[derive(Clone, Copy, Debug)]
+pub struct Splice<'a> {
+    pub start: usize,
+    pub data: &'a [f32],
+    /// Names the embeddings for the prefix cache: the same key means the same rows, so a later
+    /// sequence may reuse their K/V (an unchanged frame); a fresh key for each new image.
+    pub key: u64,
+}
+
+impl Splice<'_> {
+    /// The id the KV prefix cache hashes for spliced row `row`: outside any vocabulary (the
+    /// top bit set) and derived from the key, so rows of different images never match.
+    fn cache_id(&self, row: usize) -> u32 {
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(&(self.key, row), &mut h);
+        0x8000_0000 | (std::hash::Hasher::finish(&h) as u32)
+    }
 }
 
 impl Decoder {
@@ -540,6 +565,8 @@ impl Decoder {
             tick,
             logits_scratch: Vec::new(),
             matrix_names: std::mem::take(&mut loading.names),
+            prefix_reuse: false,
+            prefix_reused: 0,
         };
         d.kv.add_sequence(d.seq, &[])?;
         Ok(d)
@@ -603,13 +630,42 @@ impl Decoder {
         Ok(())
     }
 
-    /// Drops the current sequence and starts an empty one.
+    /// Drops the current sequence and starts an empty one. Its full pages stay in the KV
+    /// prefix cache, for [`Decoder::set_prefix_reuse`].
     pub fn reset(&mut self) -> Result<(), DecodeError> {
         self.kv.free_sequence(self.seq)?;
+        self.start_empty()
+    }
+
+    /// Drops the current sequence, whose K/V may be incomplete, so the prefix cache forgets
+    /// its pages, and starts an empty one.
+    fn forget(&mut self) -> Result<(), DecodeError> {
+        self.kv.forget_sequence(self.seq)?;
+        self.start_empty()
+    }
+
+    fn start_empty(&mut self) -> Result<(), DecodeError> {
         self.seq += 1;
         self.kv.add_sequence(self.seq, &[])?;
         self.len = 0;
+        self.prefix_reused = 0;
         Ok(())
+    }
+
+    /// With `on`, a forward into an empty sequence first takes the longest run of its leading
+    /// tokens whose K/V the KV prefix cache still holds (whole pages, from earlier sequences
+    /// with the same tokens, or the same [`Splice::key`] for spliced rows) and computes only
+    /// the rest: a prompt shared by every frame of a stream is prefilled once. On the CPU NPU
+    /// the logits are bit-identical to a cold prefill's (each attention path computes a query
+    /// with the same operations, whatever its batch); the GPU backend's prefill and decode
+    /// kernels promise no such thing, so reuse there may move the last bits. Off by default.
+    pub fn set_prefix_reuse(&mut self, on: bool) {
+        self.prefix_reuse = on;
+    }
+
+    /// Tokens of the current sequence taken from the prefix cache, not computed.
+    pub fn prefix_reused(&self) -> usize {
+        self.prefix_reused
     }
 
     /// Appends `tokens` to the sequence and calls `on_logits(i, logits)` for every `i` in
@@ -624,44 +680,58 @@ impl Decoder {
         self.forward_spliced(tokens, None, want, on_logits)
     }
 
-    /// [`Decoder::forward`] with the input embeddings of `tokens[start..start + rows]` taken
-    /// from `spliced = Some((start, data))` (`rows x hidden` f32, e.g. an image encoder's
-    /// output read in place from its unified buffer) instead of the embedding table; the token
-    /// ids at those positions are placeholders and only need to be inside the vocabulary.
+    /// [`Decoder::forward`] with the input embeddings of the rows `splice` covers taken from
+    /// it instead of the embedding table; the token ids at those positions are placeholders
+    /// and only need to be inside the vocabulary.
     pub fn forward_spliced(
         &mut self,
         tokens: &[u32],
-        spliced: Option<(usize, &[f32])>,
+        splice: Option<Splice<'_>>,
         want: Range<usize>,
         on_logits: impl FnMut(usize, &[f32]),
     ) -> Result<(), DecodeError> {
-        if let Some((start, data)) = spliced {
+        if let Some(sp) = splice {
             let hidden = self.config.hidden;
-            if !data.len().is_multiple_of(hidden)
-                || start
-                    .checked_add(data.len() / hidden)
+            if !sp.data.len().is_multiple_of(hidden)
+                || sp
+                    .start
+                    .checked_add(sp.data.len() / hidden)
                     .is_none_or(|end| end > tokens.len())
             {
                 return Err(DecodeError::BadInput(format!(
-                    "{} spliced embedding values at token {start} are not whole rows of {hidden} \
+                    "{} spliced embedding values at token {} are not whole rows of {hidden} \
                      inside the {} tokens",
-                    data.len(),
+                    sp.data.len(),
+                    sp.start,
                     tokens.len()
                 )));
             }
         }
-        let result = self.forward_inner(tokens, spliced, want, on_logits);
+        let result = self.forward_inner(tokens, splice, want, on_logits);
         if let Err(DecodeError::Device(_) | DecodeError::Kv(_)) = &result {
             // Best effort: the original error is the one worth reporting.
-            let _ = self.reset();
+            let _ = self.forget();
         }
         result
+    }
+
+    /// The ids the KV manager records for `tokens` (its prefix cache hashes them): the tokens,
+    /// with spliced rows named by their splice's key.
+    fn cache_ids(tokens: &[u32], splice: Option<Splice<'_>>, hidden: usize) -> Vec<u32> {
+        let mut ids = tokens.to_vec();
+        if let Some(sp) = splice {
+            let rows = sp.start..sp.start + sp.data.len() / hidden;
+            for r in rows {
+                ids[r] = sp.cache_id(r);
+            }
+        }
+        ids
     }
 
     fn forward_inner(
         &mut self,
         tokens: &[u32],
-        spliced: Option<(usize, &[f32])>,
+        splice: Option<Splice<'_>>,
         want: Range<usize>,
         mut on_logits: impl FnMut(usize, &[f32]),
     ) -> Result<(), DecodeError> {
@@ -677,22 +747,40 @@ impl Decoder {
             });
         }
         let want = want.start.min(tokens.len())..want.end.min(tokens.len());
+        let hidden = self.config.hidden;
+        let ids = Decoder::cache_ids(tokens, splice, hidden);
+        // A fresh sequence may start from the prefix cache, short of the first wanted row
+        // (whose logits must be computed).
+        let mut done = 0;
+        if self.prefix_reuse && self.len == 0 {
+            let limit = if want.is_empty() {
+                tokens.len()
+            } else {
+                want.start
+            };
+            self.kv.free_sequence(self.seq)?;
+            self.seq += 1;
+            done = self.kv.add_cached_prefix(self.seq, &ids[..limit])?;
+            self.len = done;
+            self.prefix_reused = done;
+        }
         // The logits buffer is kept across calls (a decode step would otherwise allocate
         // vocab-sized memory per token); taken out so `self` stays borrowable, put back below.
         let mut logits = std::mem::take(&mut self.logits_scratch);
         logits.resize(self.options.max_logit_rows.max(1) * vocab, 0.0);
-        let mut done = 0;
-        for chunk in tokens.chunks(self.options.max_batch.max(1)) {
-            let appended = self.kv.append(self.seq, chunk)?;
+        let max_batch = self.options.max_batch.max(1);
+        while done < tokens.len() {
+            let chunk_end = (done + max_batch).min(tokens.len());
+            let chunk = &tokens[done..chunk_end];
+            let appended = self.kv.append(self.seq, &ids[done..chunk_end])?;
             // The spliced rows that fall into this chunk, in chunk coordinates.
-            let hidden = self.config.hidden;
-            let embeddings = spliced.and_then(|(start, data)| {
-                let end = start + data.len() / hidden;
-                let lo = start.max(done);
-                let hi = end.min(done + chunk.len());
+            let embeddings = splice.and_then(|sp| {
+                let end = sp.start + sp.data.len() / hidden;
+                let lo = sp.start.max(done);
+                let hi = end.min(chunk_end);
                 (lo < hi).then(|| npu_hal::Embeddings {
                     rows: lo - done..hi - done,
-                    data: &data[(lo - start) * hidden..(hi - start) * hidden],
+                    data: &sp.data[(lo - sp.start) * hidden..(hi - sp.start) * hidden],
                 })
             });
             // The tick moves only when a submission is accepted, so a refused one never leaves
@@ -715,8 +803,8 @@ impl Decoder {
             self.tick += 1;
             self.len += chunk.len();
             // Logits for the wanted rows of this chunk, a head-sized slice at a time.
-            let lo = want.start.max(done).min(done + chunk.len()) - done;
-            let hi = want.end.max(done).min(done + chunk.len()) - done;
+            let lo = want.start.max(done).min(chunk_end) - done;
+            let hi = want.end.max(done).min(chunk_end) - done;
             let mut row = lo;
             while row < hi {
                 let end = (row + self.options.max_logit_rows.max(1)).min(hi);
@@ -742,7 +830,7 @@ impl Decoder {
                 }
                 row = end;
             }
-            done += chunk.len();
+            done = chunk_end;
         }
         self.logits_scratch = logits;
         Ok(())

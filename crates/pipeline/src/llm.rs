@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use npu_hal::sampling::{Sampler, SamplingParams};
 use npu_hal::{CpuConfig, CpuNpu};
 
-use crate::decoder::{DecodeError, Decoder, DecoderOptions};
+use crate::decoder::{DecodeError, Decoder, DecoderOptions, Splice};
 use crate::model::tokenizer::Tokenizer;
 use crate::speculative::{Draft, DraftControl, DraftStats, Drafter, Verdict};
 
@@ -249,6 +249,8 @@ pub struct GenerationStats {
     pub decode_time: Duration,
     /// Speculative decoding's counters (steps are counted without it too).
     pub draft: DraftStats,
+    /// Prompt tokens whose K/V came from the prefix cache ([`Decoder::set_prefix_reuse`]).
+    pub prefix_cached_tokens: usize,
 }
 
 impl GenerationStats {
@@ -312,6 +314,53 @@ pub fn generate_speculative(
     sampling: SamplingParams,
     stop: &[u32],
     grammar: Option<&crate::grammar::Grammar>,
+    speculation: Option<Speculation<'_>>,
+    on_token: impl FnMut(u32) -> bool,
+) -> Result<GenerationStats, DecodeError> {
+    generate_from(
+        decoder,
+        Prompt::text(prompt),
+        max_tokens,
+        sampling,
+        stop,
+        grammar,
+        speculation,
+        on_token,
+    )
+}
+
+/// What a generation starts from.
+#[derive(Clone, Copy, Debug)]
+pub struct Prompt<'a> {
+    pub tokens: &'a [u32],
+    /// Input embeddings replacing some of the rows (an image's).
+    pub splice: Option<Splice<'a>>,
+    /// The tokens the repetition penalty and the drafter start from, when not `tokens` (a
+    /// prompt with an image gives its text tokens).
+    pub history: Option<&'a [u32]>,
+}
+
+impl<'a> Prompt<'a> {
+    /// A prompt of text tokens only.
+    pub fn text(tokens: &'a [u32]) -> Prompt<'a> {
+        Prompt {
+            tokens,
+            splice: None,
+            history: None,
+        }
+    }
+}
+
+/// [`generate_speculative`] from any [`Prompt`]: the loop every generation runs (`generate`,
+/// `pipeline run`'s decoder stage).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_from(
+    decoder: &mut Decoder,
+    prompt: Prompt<'_>,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: &[u32],
+    grammar: Option<&crate::grammar::Grammar>,
     mut speculation: Option<Speculation<'_>>,
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<GenerationStats, DecodeError> {
@@ -324,17 +373,23 @@ pub fn generate_speculative(
         s.drafter.reset()?;
     }
     let mut stats = GenerationStats {
-        prompt_tokens: prompt.len(),
+        prompt_tokens: prompt.tokens.len(),
         ..GenerationStats::default()
     };
-    if prompt.is_empty() || max_tokens == 0 {
+    if prompt.tokens.is_empty() || max_tokens == 0 {
         return Ok(stats);
     }
     let vocab = decoder.config().vocab_size;
-    let mut history: Vec<u32> = prompt.to_vec();
+    let mut history: Vec<u32> = prompt.history.unwrap_or(prompt.tokens).to_vec();
     let start = Instant::now();
     // rows[i * vocab..] predicts the token after the pass's i-th fed token.
-    let mut rows = decoder.forward_last(prompt)?;
+    let mut rows = Vec::new();
+    let n = prompt.tokens.len();
+    decoder.forward_spliced(prompt.tokens, prompt.splice, n - 1..n, |_, l| {
+        rows.clear();
+        rows.extend_from_slice(l)
+    })?;
+    stats.prefix_cached_tokens = decoder.prefix_reused();
     let mut draft = Draft::default();
     let mut dist = Vec::new();
     let mut first = None;

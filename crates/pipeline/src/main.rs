@@ -289,6 +289,17 @@ struct RunArgs {
     /// Constrain every reply to this Lark grammar (a .lark file, llguidance's dialect).
     #[arg(long)]
     grammar: Option<PathBuf>,
+    /// Draft tokens for speculative decoding: `ngram` (prompt lookup in the reply so far and
+    /// the previous replies) or a smaller model with the same tokenizer.
+    #[arg(long)]
+    draft: Option<String>,
+    /// The most tokens a step drafts (1 to 15; default 8).
+    #[arg(long)]
+    draft_tokens: Option<usize>,
+    /// Reuse the previous frame's image K/V when the image embeddings' relative RMS
+    /// difference from it is at most THRESHOLD (e.g. 0.02).
+    #[arg(long, value_name = "THRESHOLD")]
+    skip_similar: Option<f32>,
 }
 
 #[cfg(feature = "vision")]
@@ -342,6 +353,9 @@ impl RunArgs {
             regex: self.regex.clone(),
             json_schema: self.json_schema.clone(),
             grammar: self.grammar.clone(),
+            draft: self.draft.clone(),
+            draft_tokens: self.draft_tokens,
+            skip_similar: self.skip_similar,
             ..ChainSpec::default()
         };
         Ok(base.overlay(flags))

@@ -51,6 +51,9 @@ pub trait Drafter: std::fmt::Debug {
     fn reset(&mut self) -> Result<(), DecodeError> {
         Ok(())
     }
+
+    /// Offered each finished reply (`pipeline run`), for drafters that draw on earlier text.
+    fn remember(&mut self, _reply: &[u32]) {}
 }
 
 /// One step's drafts.
@@ -133,6 +136,10 @@ impl NgramDrafter {
 }
 
 impl Drafter for NgramDrafter {
+    fn remember(&mut self, reply: &[u32]) {
+        NgramDrafter::remember(self, reply);
+    }
+
     fn draft(&mut self, context: &[u32], k: usize, draft: &mut Draft) -> Result<(), DecodeError> {
         draft.clear();
         if k == 0 {

@@ -174,9 +174,16 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
         let (mut decoder, _) = pipeline::llm::open_decoder(&fixture("hf"), options, 2).unwrap();
         let mut got = vec![0f32; expected.len()];
         decoder
-            .forward_spliced(&ids, Some((first, &image)), 0..ids.len(), |i, l| {
-                got[i * vocab..(i + 1) * vocab].copy_from_slice(l)
-            })
+            .forward_spliced(
+                &ids,
+                Some(pipeline::decoder::Splice {
+                    start: first,
+                    data: &image,
+                    key: 0,
+                }),
+                0..ids.len(),
+                |i, l| got[i * vocab..(i + 1) * vocab].copy_from_slice(l),
+            )
             .unwrap();
         let rel = rel_diff(&got, &expected);
         assert!(

@@ -165,6 +165,14 @@ pub struct ChainSpec {
     pub json_schema: Option<PathBuf>,
     /// Constrain replies to a Lark grammar (a file, llguidance's dialect).
     pub grammar: Option<PathBuf>,
+    /// Draft tokens for speculative decoding: `ngram` (the reply so far and the previous
+    /// replies) or a smaller model with the same tokenizer.
+    pub draft: Option<String>,
+    /// The most tokens a step drafts (1 to 15, default 8).
+    pub draft_tokens: Option<usize>,
+    /// Reuse the previous frame's K/V when the image embeddings' relative RMS difference from
+    /// it is at most this (e.g. 0.02); off when unset.
+    pub skip_similar: Option<f32>,
     pub synthetic: SyntheticTower,
     /// Run the tower at another square input size than its native one (a multiple of the patch
     /// size); the position grid follows SmolVLM's own bucketing.
@@ -213,6 +221,9 @@ impl ChainSpec {
             regex,
             json_schema,
             grammar,
+            draft,
+            draft_tokens,
+            skip_similar,
             image_size
         );
         if other.isp != Placement::Auto {
@@ -334,6 +345,14 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
             .unwrap_or("default"),
     )?;
     let ctx = spec.ctx.unwrap_or(1024);
+    let draft_tokens = spec.draft_tokens.unwrap_or(8);
+    if !(1..=crate::speculative::MAX_DRAFT_TOKENS).contains(&draft_tokens) {
+        return Err(format!(
+            "draft_tokens {draft_tokens}: use 1 to {}",
+            crate::speculative::MAX_DRAFT_TOKENS
+        )
+        .into());
+    }
     let cache_dir = spec
         .cache_dir
         .clone()
@@ -343,7 +362,8 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         policy,
         ctx,
         max_batch: 512.min(ctx.max(1)),
-        max_logit_rows: 1,
+        // A speculative step reads the logits of every verified row.
+        max_logit_rows: spec.draft.as_ref().map_or(1, |_| draft_tokens + 1),
         kv_dtype,
         cache,
     };
@@ -488,7 +508,29 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         seed: spec.seed.unwrap_or(0x5eed),
         ..Default::default()
     };
-    let decoder = NpuDecoder::new(
+    let drafter: Option<Box<dyn crate::speculative::Drafter + Send>> = match spec
+        .draft
+        .as_deref()
+        .map(str::parse::<crate::llm::DraftSource>)
+        .transpose()?
+    {
+        None => None,
+        Some(crate::llm::DraftSource::Ngram) => {
+            Some(Box::new(crate::speculative::NgramDrafter::default()))
+        }
+        Some(crate::llm::DraftSource::Model(path)) => {
+            let (device, _) = crate::llm::open_device(choice, spec.threads.unwrap_or(0))?;
+            let d =
+                crate::llm::open_draft_model(&path, &decoder, Some(&tokenizer), device, &sampling)?;
+            notes.push(format!(
+                "draft model {}: {:.2} of the target's bytes per token",
+                path.display(),
+                crate::speculative::Drafter::cost_per_token(&d)
+            ));
+            Some(Box::new(d))
+        }
+    };
+    let mut decoder = NpuDecoder::new(
         decoder,
         tokenizer,
         layout,
@@ -496,6 +538,15 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         spec.max_tokens.unwrap_or(32),
         grammar,
     );
+    if let Some(d) = drafter {
+        decoder = decoder.with_drafter(d, draft_tokens);
+    }
+    if let Some(t) = spec.skip_similar {
+        if !(t >= 0.0 && t.is_finite()) {
+            return Err(format!("skip_similar {t}: use a finite threshold >= 0").into());
+        }
+        decoder = decoder.with_skip_similar(t);
+    }
     Ok(Built {
         chain: Chain {
             source,

@@ -184,6 +184,12 @@ pub struct RunReport {
     /// Capture to the start of its description, per decoded frame: how old the frame a reply
     /// describes was when the decoder took it.
     pub staleness_ms: Vec<f64>,
+    /// Speculative decoding's counters over every reply.
+    pub draft: crate::speculative::DraftStats,
+    /// Prompt tokens taken from the KV prefix cache instead of computed, over every reply.
+    pub prefix_cached_tokens: u64,
+    /// Frames whose image K/V were reused from the previous frame (`skip_similar`).
+    pub frames_reused: u64,
     pub stage_names: [String; 3],
     pub traces: Vec<TraceLog>,
     /// Set when the user stopped the run (Ctrl-C).
@@ -452,6 +458,9 @@ pub fn run(
                     report.frames_decoded += 1;
                     report.tokens += generation.tokens as u64;
                     report.decode_time += generation.decode_time;
+                    report.draft.add(&generation.draft);
+                    report.prefix_cached_tokens += generation.prefix_cached_tokens as u64;
+                    report.frames_reused += u64::from(generation.image_reused);
                     let n = report.frames_decoded;
                     record(
                         &mut report.ttft_ms,
@@ -978,6 +987,10 @@ impl RunReport {
                 "decoder": self.host_waits_per_frame(2),
             },
             "staleness_ms": lat(&self.staleness_ms),
+            "draft_acceptance": self.draft.acceptance(),
+            "draft_tokens_per_step": self.draft.drafted_per_step(),
+            "prefix_cached_tokens": self.prefix_cached_tokens,
+            "frames_reused": self.frames_reused,
             "stages": {
                 "isp": self.stage_names[0],
                 "encoder": self.stage_names[1],

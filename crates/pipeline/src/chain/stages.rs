@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use isp_v4l2::Frame;
 use isp_v4l2::isp::Preprocess;
-use npu_hal::sampling::{Sampler, SamplingParams};
+use npu_hal::sampling::SamplingParams;
 use uvm_alloc::vulkan::{ImportCache, ImportCaps, host_read_barrier};
 use uvm_alloc::{Access, CopyLedger, UnifiedBuffer};
 
@@ -187,6 +187,12 @@ pub struct Generation {
     pub tokens: usize,
     pub time_to_first_token: Duration,
     pub decode_time: Duration,
+    /// Speculative decoding's counters (zero without a drafter).
+    pub draft: crate::speculative::DraftStats,
+    /// Prompt tokens whose K/V came from the prefix cache.
+    pub prefix_cached_tokens: usize,
+    /// The image was found unchanged from the last one (`skip_similar`): its K/V were reused.
+    pub image_reused: bool,
 }
 
 /// The decoder: image embeddings in, text out, streamed piece by piece.
@@ -1034,6 +1040,11 @@ impl PromptLayout {
 }
 
 /// The decoder on an npu-hal device, sampling on the CPU.
+///
+/// Across frames it keeps what a stream repeats: the prompt's text before the image is
+/// prefilled once and then taken from the KV prefix cache; with a drafter, each reply is
+/// drafted from its own text and the previous replies; with `skip_similar`, a frame whose
+/// image embeddings barely differ from the last one's reuses that frame's K/V as well.
 pub struct NpuDecoder {
     decoder: Decoder,
     tokenizer: Tokenizer,
@@ -1041,6 +1052,11 @@ pub struct NpuDecoder {
     sampling: SamplingParams,
     max_tokens: usize,
     grammar: Option<crate::grammar::Grammar>,
+    drafter: Option<(Box<dyn crate::speculative::Drafter + Send>, usize)>,
+    skip_similar: Option<f32>,
+    /// The last described image's key and signature (for `skip_similar`).
+    last_image: Option<(u64, Vec<f32>)>,
+    images: u64,
 }
 
 impl std::fmt::Debug for NpuDecoder {
@@ -1049,21 +1065,24 @@ impl std::fmt::Debug for NpuDecoder {
             .field("decoder", &self.decoder)
             .field("layout", &self.layout)
             .field("max_tokens", &self.max_tokens)
+            .field("drafter", &self.drafter)
+            .field("skip_similar", &self.skip_similar)
             .finish_non_exhaustive()
     }
 }
 
 impl NpuDecoder {
     /// A decoder stage answering `layout`'s prompt for each image, `max_tokens` at most,
-    /// optionally constrained by `grammar`.
+    /// optionally constrained by `grammar`. The prompt's prefix is reused across frames.
     pub fn new(
-        decoder: Decoder,
+        mut decoder: Decoder,
         tokenizer: Tokenizer,
         layout: PromptLayout,
         sampling: SamplingParams,
         max_tokens: usize,
         grammar: Option<crate::grammar::Grammar>,
     ) -> NpuDecoder {
+        decoder.set_prefix_reuse(true);
         NpuDecoder {
             decoder,
             tokenizer,
@@ -1071,8 +1090,71 @@ impl NpuDecoder {
             sampling,
             max_tokens,
             grammar,
+            drafter: None,
+            skip_similar: None,
+            last_image: None,
+            images: 0,
         }
     }
+
+    /// Drafts up to `tokens` tokens per step with `drafter`, which also remembers each reply.
+    pub fn with_drafter(
+        mut self,
+        drafter: Box<dyn crate::speculative::Drafter + Send>,
+        tokens: usize,
+    ) -> NpuDecoder {
+        self.drafter = Some((drafter, tokens));
+        self
+    }
+
+    /// Reuses the previous frame's K/V when the image embeddings' root-mean-square difference
+    /// from it, relative to their root-mean-square value, is at most `threshold`.
+    pub fn with_skip_similar(mut self, threshold: f32) -> NpuDecoder {
+        self.skip_similar = Some(threshold);
+        self
+    }
+
+    /// The key naming `image` for the prefix cache: the last image's when `skip_similar`
+    /// finds it unchanged, else a new one.
+    fn image_key(&mut self, image: &[f32]) -> (u64, bool) {
+        let Some(threshold) = self.skip_similar else {
+            self.images += 1;
+            return (self.images, false);
+        };
+        let signature = image_signature(image);
+        // The signature is a copy (a sixteenth of the embeddings): counted.
+        uvm_alloc::CopyLedger::global()
+            .stage("skip-similar-signature")
+            .record(std::mem::size_of_val(signature.as_slice()));
+        if let Some((key, last)) = &self.last_image
+            && last.len() == signature.len()
+            && relative_rms_difference(&signature, last) <= threshold
+        {
+            return (*key, true);
+        }
+        self.images += 1;
+        self.last_image = Some((self.images, signature));
+        (self.images, false)
+    }
+}
+
+/// Every 16th value of an image's embeddings: enough to tell an unchanged frame from a
+/// changed one at a sixteenth of the reads and the memory.
+fn image_signature(image: &[f32]) -> Vec<f32> {
+    image.iter().step_by(16).copied().collect()
+}
+
+/// `rms(a - b) / rms(b)` (0 when both are zero): how much an image's embeddings moved.
+pub fn relative_rms_difference(a: &[f32], b: &[f32]) -> f32 {
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        diff += f64::from(x - y).powi(2);
+        norm += f64::from(y).powi(2);
+    }
+    if norm == 0.0 {
+        return if diff == 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    (diff / norm).sqrt() as f32
 }
 
 impl DecoderStage for NpuDecoder {
@@ -1090,65 +1172,70 @@ impl DecoderStage for NpuDecoder {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, StageError> {
         let (tokens, first) = self.layout.tokens();
-        let mut reply = Generation {
-            prompt_tokens: tokens.len(),
-            ..Generation::default()
-        };
-        if self.max_tokens == 0 {
-            return Ok(reply);
-        }
-        let mut sampler = Sampler::new(self.sampling.clone())?;
-        let start = Instant::now();
-        self.decoder.reset()?;
-        let n = tokens.len();
-        let mut logits = Vec::new();
-        self.decoder
-            .forward_spliced(&tokens, Some((first, image)), n - 1..n, |_, l| {
-                logits.clear();
-                logits.extend_from_slice(l)
-            })?;
-        // The repetition penalty looks at text, not at the image placeholders.
+        let (key, reused) = self.image_key(image);
+        // The repetition penalty and the drafts look at text, not at the image placeholders.
         let mut history: Vec<u32> = self.layout.before.clone();
         history.extend_from_slice(&self.layout.after);
+        let prompt = crate::llm::Prompt {
+            tokens: &tokens,
+            splice: Some(crate::decoder::Splice {
+                start: first,
+                data: image,
+                key,
+            }),
+            history: Some(&history),
+        };
         let mut stream = self.tokenizer.stream_decoder();
-        let mut state = self.grammar.as_ref().map(|g| g.start());
-        let mut first_token = None;
-        for i in 0..self.max_tokens {
-            if let (Some(g), Some(s)) = (&self.grammar, state.as_mut()) {
-                g.mask(s, &mut logits)?;
-            }
-            let next = sampler.sample(&mut logits, &history)?;
-            if i == 0 {
-                reply.time_to_first_token = start.elapsed();
-                first_token = Some(Instant::now());
-            }
-            if self.tokenizer.is_end_of_generation(next) {
-                break;
-            }
-            if let (Some(g), Some(s)) = (&self.grammar, state.as_mut()) {
-                g.advance(s, next)?;
-            }
-            reply.tokens += 1;
-            history.push(next);
-            let piece = stream.push(next)?;
-            if !on_text(&piece) {
-                break;
-            }
-            let done = state
-                .as_ref()
-                .zip(self.grammar.as_ref())
-                .is_some_and(|(s, g)| g.is_exhausted(s));
-            if done || i + 1 == self.max_tokens {
-                break;
-            }
-            self.decoder.forward_last_into(&[next], &mut logits)?;
+        let mut text_error = None;
+        let mut reply_tokens = Vec::new();
+        let speculation = self
+            .drafter
+            .as_mut()
+            .map(|(drafter, k)| crate::llm::Speculation {
+                drafter: &mut **drafter as &mut dyn crate::speculative::Drafter,
+                control: crate::speculative::DraftControl::new(
+                    *k,
+                    crate::speculative::CPU_ROW_COST,
+                ),
+            });
+        let stats = crate::llm::generate_from(
+            &mut self.decoder,
+            prompt,
+            self.max_tokens,
+            self.sampling.clone(),
+            self.tokenizer.stop_ids(),
+            self.grammar.as_ref(),
+            speculation,
+            |t| {
+                reply_tokens.push(t);
+                match stream.push(t) {
+                    Ok(piece) => on_text(&piece),
+                    Err(e) => {
+                        text_error = Some(e);
+                        false
+                    }
+                }
+            },
+        )?;
+        if let Some(e) = text_error {
+            return Err(e.into());
         }
         let rest = stream.finish()?;
         if !rest.is_empty() {
             on_text(&rest);
         }
-        reply.decode_time = first_token.map_or(Duration::ZERO, |t| t.elapsed());
-        Ok(reply)
+        if let Some((drafter, _)) = self.drafter.as_mut() {
+            drafter.remember(&reply_tokens);
+        }
+        Ok(Generation {
+            prompt_tokens: tokens.len(),
+            tokens: stats.generated,
+            time_to_first_token: stats.time_to_first_token,
+            decode_time: stats.decode_time,
+            draft: stats.draft,
+            prefix_cached_tokens: stats.prefix_cached_tokens,
+            image_reused: reused,
+        })
     }
 
     fn kv_utilisation(&self) -> f64 {
