@@ -458,7 +458,7 @@ mod tests {
 
     #[test]
     fn control_drafts_less_while_drafts_fail_and_probes_again() {
-        let mut c = DraftControl::new(8, CPU_ROW_COST);
+        let mut c = DraftControl::new(8, 0.1);
         let first = c.tokens(0.0);
         assert!(
             first > 1,
@@ -482,7 +482,7 @@ mod tests {
         }
         assert!(c.tokens(0.0) >= 4, "acceptance {}", c.acceptance());
         // An expensive drafter drafts fewer tokens at the same acceptance.
-        let fresh = || DraftControl::new(8, CPU_ROW_COST);
+        let fresh = || DraftControl::new(8, 0.1);
         assert!(fresh().tokens(0.3) < fresh().tokens(0.0));
     }
 }

@@ -898,3 +898,87 @@ fn the_frames_handoff_rides_a_drm_syncobj_timeline() {
     assert_eq!(behind, 0);
     assert_eq!(with, without, "the replies differ with the syncobj handoff");
 }
+
+/// A still clip (frame 0 of the committed testsrc2 clip, 6 times) through the CPU chain three
+/// ways: plain, reusing unchanged frames' K/V (`skip_similar`), and that with n-gram drafts.
+/// Every reply is the same text in all three (the prompt's prefix and the reused image rows
+/// give the bits a cold prefill gives; drafting keeps greedy output), and the counters say
+/// what was reused and drafted.
+#[test]
+fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
+    let _ledger = ledger_lock();
+    let clip = std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/clips/testsrc2-256x144.y4m"),
+    )
+    .unwrap();
+    let header = clip.iter().position(|&b| b == b'\n').unwrap() + 1;
+    let frame = b"FRAME\n".len() + 256 * 144 * 3 / 2;
+    let mut still = clip[..header].to_vec();
+    for _ in 0..6 {
+        still.extend_from_slice(&clip[header..header + frame]);
+    }
+    let dir = std::env::temp_dir().join(format!("pipeline-still-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("still.y4m");
+    std::fs::write(&path, &still).unwrap();
+    let vlm = tiny_vlm();
+    let run = |skip_similar: Option<f32>, draft: Option<&str>| {
+        let spec = ChainSpec {
+            source: Some(format!("file:{}", path.display())),
+            model: Some(vlm.clone()),
+            vlm: Some(vlm.clone()),
+            prompt: Some("What is in the image?".into()),
+            isp: Placement::Cpu,
+            encoder: Placement::Cpu,
+            max_tokens: Some(8),
+            policy: Some("exact-f32".into()),
+            skip_similar,
+            draft: draft.map(str::to_string),
+            ..ChainSpec::default()
+        };
+        let built = build(&spec, true).unwrap();
+        let mut replies = vec![String::new(); 6];
+        let report = pipeline::chain::run(
+            built.chain,
+            &built.options,
+            Arc::new(AtomicBool::new(false)),
+            |e| {
+                if let Event::Text { frame, text } = e {
+                    replies[frame as usize].push_str(text);
+                }
+            },
+        )
+        .unwrap();
+        assert!(report.failure.is_none(), "{:?}", report.failure);
+        assert_eq!(report.frames_decoded, 6);
+        (replies, report)
+    };
+    let (plain, plain_report) = run(None, None);
+    let (reused, reused_report) = run(Some(0.01), None);
+    let (drafted, drafted_report) = run(Some(0.01), Some("ngram"));
+    assert!(plain.iter().all(|r| !r.is_empty()), "{plain:?}");
+    assert_eq!(reused, plain, "reused K/V changed a reply");
+    assert_eq!(drafted, plain, "drafting changed a reply");
+    assert_eq!(plain_report.frames_reused, 0);
+    assert_eq!(
+        reused_report.frames_reused, 5,
+        "five frames repeat the first"
+    );
+    assert!(
+        reused_report.prefix_cached_tokens > plain_report.prefix_cached_tokens,
+        "{} vs {}",
+        reused_report.prefix_cached_tokens,
+        plain_report.prefix_cached_tokens
+    );
+    assert_eq!(plain_report.draft.drafted, 0);
+    let json = drafted_report.to_json();
+    for key in [
+        "draft_acceptance",
+        "draft_tokens_per_step",
+        "prefix_cached_tokens",
+        "frames_reused",
+    ] {
+        assert!(json.get(key).is_some(), "stats JSON lacks {key}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
