@@ -244,3 +244,49 @@ fn smollm2_gpu_perplexity_is_within_one_percent_of_the_cpu() {
         "GPU perplexity {gpu} against the CPU's {cpu}"
     );
 }
+
+/// Speculative decoding on the real model: 128 greedy tokens of the story prompt and of the
+/// copy-heavy passage, with n-gram drafts, are those of plain decoding, and drafts were taken.
+#[test]
+#[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
+fn speculative_greedy_output_is_plain_greedy_output() {
+    use pipeline::speculative::{CPU_ROW_COST, DraftControl, NgramDrafter};
+    let (mut d, tok) = open("default");
+    let passage = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/prompts/repeat-passage.txt"),
+    )
+    .unwrap();
+    for text in [
+        "Once upon a time, there was a little robot who",
+        passage.trim_end(),
+    ] {
+        let prompt = tok.encode(text, d.config().add_bos).unwrap();
+        let mut run = |drafting: bool| {
+            let mut ngram = NgramDrafter::default();
+            let speculation = drafting.then(|| pipeline::llm::Speculation {
+                drafter: &mut ngram,
+                control: DraftControl::new(8, CPU_ROW_COST),
+            });
+            let mut out = Vec::new();
+            let stats = pipeline::llm::generate_speculative(
+                &mut d,
+                &prompt,
+                128,
+                SamplingParams::default(),
+                &[],
+                None,
+                speculation,
+                |t| {
+                    out.push(t);
+                    true
+                },
+            )
+            .unwrap();
+            (out, stats)
+        };
+        let (plain, _) = run(false);
+        let (spec, stats) = run(true);
+        assert_eq!(spec, plain, "{text:?}");
+        assert!(stats.draft.accepted > 0, "{text:?}: no draft was accepted");
+    }
+}
