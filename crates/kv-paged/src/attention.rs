@@ -167,13 +167,15 @@ pub fn decode_heads(
         len.saturating_sub(1),
         q,
         &mut [out],
+        None,
     )
 }
 
 /// Decode attention for `n = out.len()` queries at positions `first_pos..first_pos + n` of
 /// `seq` (their K/V already in the cache), query heads `heads` only: query `i` is
 /// `q[i * q_heads * head_dim..]` and sees tokens `0..=first_pos + i`; `out[i]` receives its
-/// `heads.len() * head_dim` values.
+/// `heads.len() * head_dim` values. `probs`, when given, receives the attention probabilities,
+/// `[query][head][token]` over `first_pos + n` tokens (zero past each query's own).
 ///
 /// Each query is computed with exactly the arithmetic [`decode_heads`] uses for it alone, so
 /// its output is bit-identical to decoding the queries one at a time, while the pages are read
@@ -188,6 +190,7 @@ pub fn decode_queries(
     first_pos: usize,
     q: &[f32],
     out: &mut [&mut [f32]],
+    probs: Option<&mut [f32]>,
 ) -> Result<(), Error> {
     let l = *cache.layout();
     let hd = l.head_dim;
@@ -234,7 +237,14 @@ pub fn decode_queries(
         group: q_heads / l.kv_heads,
         q,
     };
-    ctx.queries(heads, first_pos, out, None)
+    if let Some(p) = &probs
+        && p.len() != n * heads.len() * (first_pos + n)
+    {
+        return Err(Error::BadConfig {
+            what: "decode_queries: probs must hold queries * heads * (first_pos + queries) values",
+        });
+    }
+    ctx.queries(heads, first_pos, out, probs)
 }
 
 struct DecodeCtx<'a> {

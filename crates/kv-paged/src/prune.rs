@@ -16,6 +16,9 @@ pub struct AttentionTracker {
     pub mass: Vec<Vec<f32>>,
     /// `[layer]`: the latest step's attention distribution (averaged over heads), for entropy.
     pub last: Vec<Vec<f32>>,
+    /// `[layer][token]`: how many queries could see the token, when the kernel that added the
+    /// mass said ([`AttentionTracker::accumulate`]); empty otherwise.
+    pub seen: Vec<Vec<f32>>,
 }
 
 impl AttentionTracker {
@@ -24,6 +27,7 @@ impl AttentionTracker {
         AttentionTracker {
             mass: vec![Vec::new(); layers],
             last: vec![Vec::new(); layers],
+            seen: vec![Vec::new(); layers],
         }
     }
 
@@ -54,12 +58,62 @@ impl AttentionTracker {
         Ok(())
     }
 
+    /// Adds attention observed by a kernel that summed it itself over the `queries` last
+    /// tokens of the sequence (causally: query `i` of them sees the tokens up to its own):
+    /// `mass[t]`, the probability token `t` received summed over heads and queries, and
+    /// `last[t]`, the latest query's distribution averaged over heads (both as long as the
+    /// sequence). Each token's count of queries that saw it grows to match.
+    pub fn accumulate(
+        &mut self,
+        layer: usize,
+        queries: usize,
+        mass: &[f32],
+        last: &[f32],
+    ) -> Result<(), Error> {
+        let len = mass.len();
+        if layer >= self.mass.len() || last.len() != len || queries > len {
+            return Err(Error::BadConfig {
+                what: "accumulate: layer out of range, mass and last of different lengths, or more queries than tokens",
+            });
+        }
+        let m = &mut self.mass[layer];
+        m.resize(len, 0.0);
+        for (a, &b) in m.iter_mut().zip(mass) {
+            *a += b;
+        }
+        let seen = &mut self.seen[layer];
+        seen.resize(len, 0.0);
+        for (t, s) in seen.iter_mut().enumerate() {
+            *s += queries.min(len - t) as f32;
+        }
+        self.last[layer].clear();
+        self.last[layer].extend_from_slice(last);
+        Ok(())
+    }
+
+    /// Forgets tokens from `len` on (a truncated sequence).
+    pub fn truncate(&mut self, len: usize) {
+        for per_layer in self
+            .mass
+            .iter_mut()
+            .chain(self.last.iter_mut())
+            .chain(self.seen.iter_mut())
+        {
+            per_layer.truncate(len);
+        }
+    }
+
     /// Forgets the tokens of dropped pages, so token indices stay aligned with the sequence.
     pub fn drop_pages(&mut self, block_tokens: usize, logical: &[usize]) {
         let mut sorted = logical.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        for per_layer in self.mass.iter_mut().chain(self.last.iter_mut()) {
+        for per_layer in self
+            .mass
+            .iter_mut()
+            .chain(self.last.iter_mut())
+            .chain(self.seen.iter_mut())
+        {
             for &b in sorted.iter().rev() {
                 let start = b * block_tokens;
                 if start + block_tokens <= per_layer.len() {
@@ -69,12 +123,24 @@ impl AttentionTracker {
         }
     }
 
-    /// Attention mass of page `block` in `layer` (0 where nothing was observed).
+    /// Attention mass of page `block` in `layer` (0 where nothing was observed). Where the
+    /// tracker knows how many queries saw each token, a token's mass is divided by that count:
+    /// the mean attention it received, so old tokens do not outrank new ones merely by having
+    /// been seen by more queries.
     fn page_mass(&self, layer: usize, block: usize, block_tokens: usize) -> f32 {
         let m = &self.mass[layer];
         let end = ((block + 1) * block_tokens).min(m.len());
-        m.get(block * block_tokens..end)
-            .map_or(0.0, |s| s.iter().sum())
+        let Some(page) = m.get(block * block_tokens..end) else {
+            return 0.0;
+        };
+        match self.seen[layer].get(block * block_tokens..end) {
+            Some(seen) if seen.len() == page.len() => page
+                .iter()
+                .zip(seen)
+                .map(|(&x, &n)| if n > 0.0 { x / n } else { 0.0 })
+                .sum(),
+            _ => page.iter().sum(),
+        }
     }
 }
 
@@ -204,12 +270,18 @@ impl PruningPolicy for HeavyHitters {
 /// normalised entropy (`H / ln(len)` below `entropy_threshold`) attend to few tokens; a page that
 /// every such layer gives less than `mass_threshold` of its attention is dropped. With no
 /// low-entropy layer nothing is dropped (every layer looks everywhere).
+///
+/// With `budget_pages`, the policy instead keeps that many candidate pages (besides sinks and
+/// the recent window): those with the most attention, each layer's accumulated mass weighted by
+/// how focused the layer is (`1 -` its normalised entropy), so that the layers that attend to
+/// few tokens decide which tokens stay.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EntropyPages {
     pub entropy_threshold: f32,
     pub mass_threshold: f32,
     pub sink_tokens: usize,
     pub recent_tokens: usize,
+    pub budget_pages: Option<usize>,
 }
 
 impl PruningPolicy for EntropyPages {
@@ -218,6 +290,9 @@ impl PruningPolicy for EntropyPages {
     }
 
     fn select(&mut self, input: &PruneInput<'_>) -> PruneReport {
+        if let Some(budget) = self.budget_pages {
+            return self.select_within(input, budget);
+        }
         let low: Vec<usize> = input
             .attention
             .last
@@ -248,6 +323,47 @@ impl PruningPolicy for EntropyPages {
             reason: format!(
                 "low-entropy layers {low:?} (normalised entropy < {}) give these pages < {} of their attention",
                 self.entropy_threshold, self.mass_threshold
+            ),
+            dropped,
+        }
+    }
+}
+
+impl EntropyPages {
+    /// The budgeted form: keep the `budget` candidate pages with the most entropy-weighted mass.
+    fn select_within(&self, input: &PruneInput<'_>, budget: usize) -> PruneReport {
+        let weights: Vec<f32> = input
+            .attention
+            .last
+            .iter()
+            .map(|p| {
+                if p.len() > 1 {
+                    (1.0 - normalised_entropy(p)).max(0.0)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mut candidates: Vec<(usize, f32)> = (0..input.full_blocks())
+            .filter(|&b| !protected(input, self.sink_tokens, self.recent_tokens, b))
+            .map(|b| {
+                let score = weights
+                    .iter()
+                    .enumerate()
+                    .map(|(l, w)| w * input.attention.page_mass(l, b, input.block_tokens))
+                    .sum();
+                (b, score)
+            })
+            .collect();
+        candidates.sort_by(|a, b| b.1.total_cmp(&a.1).then(b.0.cmp(&a.0)));
+        let mut dropped: Vec<usize> = candidates.iter().skip(budget).map(|c| c.0).collect();
+        dropped.sort_unstable();
+        PruneReport {
+            policy: self.name(),
+            seq: input.seq,
+            reason: format!(
+                "keep sinks, the recent window and the {budget} of {} candidate pages with the most attention in focused layers (weights {weights:.2?})",
+                candidates.len()
             ),
             dropped,
         }

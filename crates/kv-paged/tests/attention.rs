@@ -279,6 +279,7 @@ fn a_batch_of_queries_gets_the_bits_each_gets_alone() {
             len - n,
             &q,
             &mut rows,
+            None,
         )
         .unwrap();
         // The same queries one at a time, each with the cache cut after its own token.

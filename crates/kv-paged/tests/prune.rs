@@ -89,6 +89,7 @@ fn entropy_pruning_drops_what_focused_layers_ignore() {
         mass_threshold: 0.01,
         sink_tokens: 16,
         recent_tokens: 16,
+        budget_pages: None,
     };
     let r = policy.select(&input);
     assert_eq!(r.dropped, vec![1, 3, 4]);
@@ -127,4 +128,41 @@ fn applying_a_report_frees_pages_and_realigns_the_tracker() {
     assert_eq!(m.len(1).unwrap(), 100 - 48);
     assert_eq!(t.mass[0].len(), 100 - 48);
     m.check_invariants().unwrap();
+}
+
+#[test]
+fn budgeted_entropy_keeps_the_pages_focused_layers_attend_to() {
+    use kv_paged::prune::{AttentionTracker, EntropyPages, PruneInput, PruningPolicy};
+    // Two layers over 6 pages of 4 tokens: layer 0 attends evenly (no say), layer 1 focuses on
+    // page 3, then page 1.
+    let mut t = AttentionTracker::new(2);
+    let even = vec![1.0 / 24.0; 24];
+    let mut focused = vec![0.0; 24];
+    focused[13] = 0.7;
+    focused[5] = 0.3;
+    t.accumulate(0, 1, &even, &even).unwrap();
+    t.accumulate(1, 1, &focused, &focused).unwrap();
+    let input = PruneInput {
+        seq: 1,
+        len: 24,
+        block_tokens: 4,
+        attention: &t,
+    };
+    let mut policy = EntropyPages {
+        entropy_threshold: 1.0,
+        mass_threshold: 0.0,
+        sink_tokens: 4,
+        recent_tokens: 4,
+        budget_pages: Some(2),
+    };
+    // Candidates are pages 1..=4 (page 0 sinks, page 5 recent); pages 3 and 1 stay.
+    assert_eq!(policy.select(&input).dropped, vec![2, 4]);
+    t.truncate(10);
+    assert!(
+        t.mass
+            .iter()
+            .chain(&t.last)
+            .chain(&t.seen)
+            .all(|v| v.len() == 10)
+    );
 }

@@ -30,7 +30,9 @@ pub(crate) const STREAMED_QUERIES: usize = 16;
 /// Attention for the last `n = q.len() / (q_heads * head_dim)` tokens of `seq`, whose K/V are
 /// already in the cache: query `i` sees the cache's tokens up to and including its own. Indices
 /// are the cache's, not positions: once pruning has dropped pages the two differ (RoPE keeps
-/// the positions). `out` has `q`'s shape.
+/// the positions). `out` has `q`'s shape. With `stats`, the probabilities every cached token
+/// received (summed over heads and queries, and the last query's averaged over heads) are added
+/// to the tracker for `layer`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend(
     pool: &WorkerPool,
@@ -41,20 +43,18 @@ pub(crate) fn attend(
     q: &[f32],
     out: &mut [f32],
     numerics: Numerics,
+    stats: Option<&mut kv_paged::prune::AttentionTracker>,
 ) -> Result<(), Error> {
     let l = *kv.layout();
     let hd = l.head_dim;
     let stride = q_heads * hd;
     let n = q.len() / stride;
+    let len = kv.manager().len(seq)?;
     // The cache index of the first query's token.
-    let first_pos = kv
-        .manager()
-        .len(seq)?
-        .checked_sub(n)
-        .ok_or_else(|| Error::BadOp {
-            op: 0,
-            what: format!("attention over {n} queries of a sequence with fewer cached tokens"),
-        })?;
+    let first_pos = len.checked_sub(n).ok_or_else(|| Error::BadOp {
+        op: 0,
+        what: format!("attention over {n} queries of a sequence with fewer cached tokens"),
+    })?;
     let parts = pool.threads().min(q_heads).max(1);
     let spans: Vec<Range<usize>> = (0..pool.threads())
         .map(|p| {
@@ -78,50 +78,130 @@ pub(crate) fn attend(
             rest = tail;
         }
     }
-    if n <= STREAMED_QUERIES && numerics == Numerics::Standard {
+    // Per part, when asked: the mass each token received from its heads over every query, and
+    // from its heads for the last query.
+    let want_stats = stats.is_some();
+    let sums: Vec<Mutex<(Vec<f32>, Vec<f32>)>> = spans
+        .iter()
+        .map(|_| {
+            let size = if want_stats { len } else { 0 };
+            Mutex::new((vec![0f32; size], vec![0f32; size]))
+        })
+        .collect();
+    let streamed = n <= STREAMED_QUERIES && numerics == Numerics::Standard;
+    let result = if streamed {
         // Decode and verification batches: stream the pages, no gather, each query exactly
         // as it would be alone.
-        return run_parts(pool, &spans, |p, span| {
+        run_parts(pool, &spans, |p, span| {
             let mut rows = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
-            Ok(kv_paged::attention::decode_queries(
-                kv, seq, layer, q_heads, span, first_pos, q, &mut rows,
-            )?)
-        });
-    }
-    let group = q_heads / l.kv_heads;
-    let scale = kv_paged::attention::default_scale(hd);
-    run_parts(pool, &spans, |p, span| {
-        let mut rows = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
-        let (mut k, mut v) = (Vec::new(), Vec::new());
-        let mut loaded = usize::MAX;
-        let mut scores = Vec::new();
-        let mut qh16 = vec![0f32; hd];
-        for h in span.clone() {
-            let g = h / group;
-            if g != loaded {
-                kv.gather(seq, layer, g, false, &mut k)?;
-                kv.gather(seq, layer, g, true, &mut v)?;
-                loaded = g;
-            }
-            for (i, row) in rows.iter_mut().enumerate() {
-                let visible = first_pos + i + 1;
-                let qv = &q[i * stride + h * hd..i * stride + (h + 1) * hd];
-                let o = &mut row[(h - span.start) * hd..(h - span.start + 1) * hd];
-                match numerics {
-                    Numerics::Standard => {
-                        attend_f32(qv, &k, &v, visible, hd, scale, &mut scores, o)
-                    }
-                    Numerics::Ggml => {
-                        for (d, &s) in qh16.iter_mut().zip(qv) {
-                            *d = f16::from_f32(s).to_f32();
+            let mut probs = vec![0f32; if want_stats { n * span.len() * len } else { 0 }];
+            kv_paged::attention::decode_queries(
+                kv,
+                seq,
+                layer,
+                q_heads,
+                span.clone(),
+                first_pos,
+                q,
+                &mut rows,
+                want_stats.then_some(&mut probs[..]),
+            )?;
+            if want_stats {
+                let mut guard = sums[p].lock().unwrap_or_else(|e| e.into_inner());
+                let (mass, last) = &mut *guard;
+                for (row, per_head) in probs.chunks_exact(len).enumerate() {
+                    let is_last = row / span.len().max(1) == n - 1;
+                    for (t, &x) in per_head.iter().enumerate() {
+                        mass[t] += x;
+                        if is_last {
+                            last[t] += x;
                         }
-                        flash_f16(&qh16, &k, &v, visible, hd, scale, o);
                     }
                 }
             }
+            Ok(())
+        })
+    } else {
+        let group = q_heads / l.kv_heads;
+        let scale = kv_paged::attention::default_scale(hd);
+        run_parts(pool, &spans, |p, span| {
+            let mut rows = per_part[p].lock().unwrap_or_else(|e| e.into_inner());
+            let mut guard = sums[p].lock().unwrap_or_else(|e| e.into_inner());
+            let (mass, last) = &mut *guard;
+            let (mut k, mut v) = (Vec::new(), Vec::new());
+            let mut loaded = usize::MAX;
+            let mut scores = Vec::new();
+            let mut qh16 = vec![0f32; hd];
+            let mut unused_out = vec![0f32; hd];
+            for h in span.clone() {
+                let g = h / group;
+                if g != loaded {
+                    kv.gather(seq, layer, g, false, &mut k)?;
+                    kv.gather(seq, layer, g, true, &mut v)?;
+                    loaded = g;
+                }
+                for (i, row) in rows.iter_mut().enumerate() {
+                    let visible = first_pos + i + 1;
+                    let qv = &q[i * stride + h * hd..i * stride + (h + 1) * hd];
+                    let o = &mut row[(h - span.start) * hd..(h - span.start + 1) * hd];
+                    match numerics {
+                        Numerics::Standard => {
+                            attend_f32(qv, &k, &v, visible, hd, scale, &mut scores, o)
+                        }
+                        Numerics::Ggml => {
+                            for (d, &s) in qh16.iter_mut().zip(qv) {
+                                *d = f16::from_f32(s).to_f32();
+                            }
+                            flash_f16(&qh16, &k, &v, visible, hd, scale, o);
+                            if want_stats {
+                                // ggml's kernel keeps no probabilities: f32 ones for the
+                                // statistics only.
+                                attend_f32(
+                                    qv,
+                                    &k,
+                                    &v,
+                                    visible,
+                                    hd,
+                                    scale,
+                                    &mut scores,
+                                    &mut unused_out,
+                                );
+                            }
+                        }
+                    }
+                    if want_stats {
+                        // `scores` holds the softmax's exponentials, summed in this order.
+                        let inv = 1.0 / scores.iter().sum::<f32>();
+                        for (t, &e) in scores.iter().enumerate() {
+                            mass[t] += e * inv;
+                            if i == n - 1 {
+                                last[t] += e * inv;
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+    result?;
+    if let Some(tracker) = stats {
+        let (mut mass, mut last) = (vec![0f32; len], vec![0f32; len]);
+        for part in sums {
+            let (m, l) = part.into_inner().unwrap_or_else(|e| e.into_inner());
+            for (a, b) in mass.iter_mut().zip(&m) {
+                *a += b;
+            }
+            for (a, b) in last.iter_mut().zip(&l) {
+                *a += b;
+            }
         }
-        Ok(())
-    })
+        for x in &mut last {
+            *x /= q_heads as f32;
+        }
+        tracker.accumulate(layer, n, &mass, &last)?;
+    }
+    Ok(())
 }
 
 /// One query of f32 attention: scores, max-subtracted softmax, weighted sum of V. Compiled a

@@ -123,6 +123,7 @@ impl CpuNpu {
         op: &Op,
         b: &Batch<'_>,
         kv: Option<&mut kv_paged::KvCache>,
+        attention: Option<&mut kv_paged::prune::AttentionTracker>,
     ) -> Result<(), Error> {
         let n = b.tokens.len();
         match *op {
@@ -335,7 +336,7 @@ impl CpuNpu {
                 let (qs, outs) = (gq.typed::<f32>()?, go.typed_mut::<f32>()?);
                 let kv: &kv_paged::KvCache = kv;
                 crate::attention::attend(
-                    &self.pool, kv, b.seq, layer, q_heads, qs, outs, numerics,
+                    &self.pool, kv, b.seq, layer, q_heads, qs, outs, numerics, attention,
                 )?;
             }
         }
@@ -566,6 +567,7 @@ impl Device for CpuNpu {
             ops,
             batch,
             mut kv,
+            mut attention,
             wait,
             signal,
         } = s;
@@ -601,7 +603,7 @@ impl Device for CpuNpu {
                         .is_none_or(|(t, _)| *t != out) => {}
                 _ => self.scratch.rotated_from = None,
             }
-            self.run(i, op, &batch, kv.as_deref_mut())?;
+            self.run(i, op, &batch, kv.as_deref_mut(), attention.as_deref_mut())?;
         }
         if let Some((timeline, value)) = signal {
             timeline.signal(value)?;

@@ -162,6 +162,10 @@ pub struct Submission<'a> {
     pub ops: &'a [Op],
     pub batch: Batch<'a>,
     pub kv: Option<&'a mut KvCache>,
+    /// When given, every attention op adds the probabilities it computed to this tracker
+    /// (per layer, per cached token), for pruning policies that rank pages by attention (H2O,
+    /// attention entropy). A device that cannot report them refuses the submission.
+    pub attention: Option<&'a mut kv_paged::prune::AttentionTracker>,
     pub wait: Option<(&'a dyn Timeline, u64)>,
     pub signal: Option<(&'a dyn Timeline, u64)>,
 }

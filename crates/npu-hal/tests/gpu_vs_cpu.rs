@@ -256,6 +256,7 @@ fn run(device: &mut dyn Device, model: &Model, kv: &mut KvCache, chunks: &[Vec<u
                     embeddings: None,
                 },
                 kv: Some(kv),
+                attention: None,
                 wait: None,
                 signal: None,
             })
@@ -273,6 +274,7 @@ fn run(device: &mut dyn Device, model: &Model, kv: &mut KvCache, chunks: &[Vec<u
                     embeddings: None,
                 },
                 kv: None,
+                attention: None,
                 wait: None,
                 signal: None,
             })
@@ -431,6 +433,7 @@ fn the_gpu_rotates_activations_with_the_cpus_bits() {
                 embeddings: None,
             },
             kv: None,
+            attention: None,
             wait: None,
             signal: None,
         })
@@ -500,6 +503,7 @@ fn unsupported_programs_are_refused_by_name() {
             ops: &in_place,
             batch: batch.clone(),
             kv: None,
+            attention: None,
             wait: None,
             signal: None,
         })
@@ -518,6 +522,7 @@ fn unsupported_programs_are_refused_by_name() {
         ops: &ok,
         batch,
         kv: None,
+        attention: None,
         wait: None,
         signal: None,
     })

@@ -327,6 +327,59 @@ pub struct Decoder {
     prefix_reuse: bool,
     /// Tokens the current sequence took from the prefix cache.
     prefix_reused: usize,
+    /// The KV budget and its policy ([`Decoder::set_pruning`]).
+    pruning: Option<Pruning>,
+    /// Attention mass per cached token, for the policies that rank pages by it.
+    attention: kv_paged::prune::AttentionTracker,
+    /// KV pages pruning has dropped since the decoder was made.
+    pages_pruned: u64,
+}
+
+/// Which pages a KV budget drops (`--prune`). Every policy keeps the first page (the attention
+/// sinks) and the page being filled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrunePolicy {
+    /// StreamingLLM: the sinks and the most recent pages.
+    Sinks,
+    /// H2O at page granularity: the sinks, a recent window of a quarter of the budget, and the
+    /// pages that received the most attention so far.
+    HeavyHitters,
+    /// The sinks, the recent window, and the pages with the most attention in the layers whose
+    /// attention is most focused (low entropy).
+    Entropy,
+}
+
+impl std::str::FromStr for PrunePolicy {
+    type Err = DecodeError;
+
+    fn from_str(s: &str) -> Result<PrunePolicy, DecodeError> {
+        Ok(match s {
+            "sinks" => PrunePolicy::Sinks,
+            "h2o" => PrunePolicy::HeavyHitters,
+            "entropy" => PrunePolicy::Entropy,
+            other => {
+                return Err(DecodeError::BadInput(format!(
+                    "prune policy {other:?}: use sinks, h2o or entropy"
+                )));
+            }
+        })
+    }
+}
+
+/// A KV budget and the policy that keeps the cache within it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pruning {
+    /// The most tokens the sequence's KV cache holds.
+    pub budget: usize,
+    pub policy: PrunePolicy,
+}
+
+impl Pruning {
+    /// Tokens per forward while pruning: an eighth of the budget in whole pages, so the cache
+    /// stays between seven eighths of the budget and the budget.
+    fn step(&self, block_tokens: usize) -> usize {
+        (self.budget / 8 / block_tokens).max(1) * block_tokens
+    }
 }
 
 /// Input embeddings that replace a run of a sequence's rows (an image encoder's output, read in
@@ -550,6 +603,7 @@ impl Decoder {
             .timeline()
             .unwrap_or_else(|| Arc::new(CpuTimeline::new(0)));
         let tick = timeline.value().map_err(npu_hal::Error::from)?;
+        let layers = config.layers;
         let mut d = Decoder {
             config,
             device,
@@ -567,6 +621,9 @@ impl Decoder {
             matrix_names: std::mem::take(&mut loading.names),
             prefix_reuse: false,
             prefix_reused: 0,
+            pruning: None,
+            attention: kv_paged::prune::AttentionTracker::new(layers),
+            pages_pruned: 0,
         };
         d.kv.add_sequence(d.seq, &[])?;
         Ok(d)
@@ -619,14 +676,101 @@ impl Decoder {
     /// # Errors
     /// `len` past the sequence, or a KV cache error.
     pub fn truncate(&mut self, len: usize) -> Result<(), DecodeError> {
-        if len > self.len {
+        // Positions and cache entries differ by the pages pruning dropped; the tail is the
+        // same tokens in both.
+        let cached = self.kv.manager().len(self.seq)?;
+        let Some(kept) = (len <= self.len)
+            .then(|| cached.checked_sub(self.len - len))
+            .flatten()
+        else {
             return Err(DecodeError::BadInput(format!(
-                "cannot truncate a sequence of {} tokens to {len}",
+                "cannot truncate a sequence of {} tokens ({cached} cached) to {len}",
                 self.len
             )));
-        }
-        self.kv.truncate(self.seq, len)?;
+        };
+        self.kv.truncate(self.seq, kept)?;
+        self.attention.truncate(kept);
         self.len = len;
+        Ok(())
+    }
+
+    /// Keeps the KV cache within `pruning.budget` tokens by dropping whole pages as its policy
+    /// chooses (no copy), or lifts the budget with `None`. A forward then runs in steps of an
+    /// eighth of the budget and prunes before each step that would pass it; RoPE positions go
+    /// on counting, so the model sees the kept tokens where they were.
+    ///
+    /// # Errors
+    /// A budget under 4 pages (64 tokens) or over the context, or an attention-ranked policy on
+    /// a device that cannot report attention (it refuses the first submission).
+    pub fn set_pruning(&mut self, pruning: Option<Pruning>) -> Result<(), DecodeError> {
+        let bt = self.kv.layout().block_tokens;
+        if let Some(p) = pruning
+            && (p.budget < 4 * bt || p.budget > self.options.ctx)
+        {
+            return Err(DecodeError::BadInput(format!(
+                "a KV budget of {} tokens: use {} to the context of {}",
+                p.budget,
+                4 * bt,
+                self.options.ctx
+            )));
+        }
+        self.pruning = pruning;
+        Ok(())
+    }
+
+    /// KV pages pruning has dropped since the decoder was made.
+    pub fn pages_pruned(&self) -> u64 {
+        self.pages_pruned
+    }
+
+    /// Drops pages until the cache holds at most `target` tokens, as the policy chooses among
+    /// the full pages other than the first (sinks) and the recent window.
+    fn prune_to(&mut self, pruning: Pruning, target: usize) -> Result<(), DecodeError> {
+        use kv_paged::prune::{EntropyPages, HeavyHitters, PruneInput, PruningPolicy, SinkWindow};
+        let bt = self.kv.layout().block_tokens;
+        let len = self.kv.manager().len(self.seq)?;
+        if len <= target {
+            return Ok(());
+        }
+        let partial = len % bt;
+        // Pages that fit besides the sink page and the partial page.
+        let pages = target.saturating_sub(bt + partial) / bt;
+        // The recent window: all of it for sinks, a quarter of the budget for the others.
+        let recent_pages = match pruning.policy {
+            PrunePolicy::Sinks => pages,
+            _ => (pruning.budget / 4 / bt).min(pages),
+        };
+        let recent = recent_pages * bt + partial;
+        let ranked = pages - recent_pages;
+        let input = PruneInput {
+            seq: self.seq,
+            len,
+            block_tokens: bt,
+            attention: &self.attention,
+        };
+        let report = match pruning.policy {
+            PrunePolicy::Sinks => SinkWindow {
+                sink_tokens: bt,
+                window_tokens: recent,
+            }
+            .select(&input),
+            PrunePolicy::HeavyHitters => HeavyHitters {
+                budget_pages: ranked,
+                sink_tokens: bt,
+                recent_tokens: recent,
+            }
+            .select(&input),
+            PrunePolicy::Entropy => EntropyPages {
+                entropy_threshold: 1.0,
+                mass_threshold: 0.0,
+                sink_tokens: bt,
+                recent_tokens: recent,
+                budget_pages: Some(ranked),
+            }
+            .select(&input),
+        };
+        let dropped = self.kv.apply_prune(&mut self.attention, &report)?;
+        self.pages_pruned += dropped.len() as u64;
         Ok(())
     }
 
@@ -649,6 +793,7 @@ impl Decoder {
         self.kv.add_sequence(self.seq, &[])?;
         self.len = 0;
         self.prefix_reused = 0;
+        self.attention = kv_paged::prune::AttentionTracker::new(self.config.layers);
         Ok(())
     }
 
@@ -768,10 +913,21 @@ impl Decoder {
         // vocab-sized memory per token); taken out so `self` stays borrowable, put back below.
         let mut logits = std::mem::take(&mut self.logits_scratch);
         logits.resize(self.options.max_logit_rows.max(1) * vocab, 0.0);
-        let max_batch = self.options.max_batch.max(1);
+        let bt = self.kv.layout().block_tokens;
+        let max_batch = match self.pruning {
+            Some(p) => self.options.max_batch.max(1).min(p.step(bt)),
+            None => self.options.max_batch.max(1),
+        };
+        let ranks_by_attention = self.pruning.is_some_and(|p| p.policy != PrunePolicy::Sinks);
         while done < tokens.len() {
             let chunk_end = (done + max_batch).min(tokens.len());
             let chunk = &tokens[done..chunk_end];
+            if let Some(p) = self.pruning {
+                let cached = self.kv.manager().len(self.seq)?;
+                if cached + chunk.len() > p.budget {
+                    self.prune_to(p, p.budget - chunk.len())?;
+                }
+            }
             let appended = self.kv.append(self.seq, &ids[done..chunk_end])?;
             // The spliced rows that fall into this chunk, in chunk coordinates.
             let embeddings = splice.and_then(|sp| {
@@ -797,6 +953,7 @@ impl Decoder {
                     embeddings,
                 },
                 kv: Some(&mut self.kv),
+                attention: ranks_by_attention.then_some(&mut self.attention),
                 wait: Some((timeline, self.tick)),
                 signal: Some((timeline, self.tick + 1)),
             })?;
@@ -819,6 +976,7 @@ impl Decoder {
                         embeddings: None,
                     },
                     kv: None,
+                    attention: None,
                     wait: Some((timeline, self.tick)),
                     signal: Some((timeline, self.tick + 1)),
                 })?;
@@ -897,6 +1055,7 @@ impl Decoder {
                         embeddings: None,
                     },
                     kv: Some(&mut self.kv),
+                    attention: None,
                     wait: Some((timeline, self.tick)),
                     signal: Some((timeline, self.tick + 1)),
                 })?;

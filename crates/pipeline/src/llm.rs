@@ -251,6 +251,8 @@ pub struct GenerationStats {
     pub draft: DraftStats,
     /// Prompt tokens whose K/V came from the prefix cache ([`Decoder::set_prefix_reuse`]).
     pub prefix_cached_tokens: usize,
+    /// KV pages the decoder's budget dropped ([`Decoder::set_pruning`]).
+    pub kv_pages_pruned: u64,
 }
 
 impl GenerationStats {
@@ -380,6 +382,7 @@ pub fn generate_from(
         return Ok(stats);
     }
     let vocab = decoder.config().vocab_size;
+    let pruned_before = decoder.pages_pruned();
     let mut history: Vec<u32> = prompt.history.unwrap_or(prompt.tokens).to_vec();
     let start = Instant::now();
     // rows[i * vocab..] predicts the token after the pass's i-th fed token.
@@ -484,6 +487,7 @@ pub fn generate_from(
         })?;
     }
     stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
+    stats.kv_pages_pruned = decoder.pages_pruned() - pruned_before;
     Ok(stats)
 }
 

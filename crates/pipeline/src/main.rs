@@ -300,6 +300,12 @@ struct RunArgs {
     /// difference from it is at most THRESHOLD (e.g. 0.02).
     #[arg(long, value_name = "THRESHOLD")]
     skip_similar: Option<f32>,
+    /// Keep each reply's KV cache within this many tokens by dropping whole pages.
+    #[arg(long, value_name = "TOKENS")]
+    kv_budget: Option<usize>,
+    /// Which pages a KV budget drops: sinks, h2o or entropy (default sinks).
+    #[arg(long, requires = "kv_budget")]
+    prune: Option<String>,
 }
 
 #[cfg(feature = "vision")]
@@ -356,6 +362,8 @@ impl RunArgs {
             draft: self.draft.clone(),
             draft_tokens: self.draft_tokens,
             skip_similar: self.skip_similar,
+            kv_budget: self.kv_budget,
+            prune: self.prune.clone(),
             ..ChainSpec::default()
         };
         Ok(base.overlay(flags))
@@ -508,6 +516,15 @@ struct ModelArgs {
     /// Neither read nor write the converted-weight cache.
     #[arg(long)]
     no_cache: bool,
+    /// Keep the KV cache within this many tokens by dropping whole pages (`--prune` picks
+    /// which); at least 64, at most --ctx.
+    #[arg(long, value_name = "TOKENS")]
+    kv_budget: Option<usize>,
+    /// Which pages a KV budget drops: sinks (StreamingLLM: the first page and the most recent
+    /// ones), h2o (the pages with the most attention so far) or entropy (the most attention in
+    /// the most focused layers). Needs --kv-budget.
+    #[arg(long, default_value = "sinks", requires = "kv_budget")]
+    prune: String,
 }
 
 impl ModelArgs {
@@ -556,7 +573,14 @@ impl ModelArgs {
         if let Some(why) = picked {
             eprintln!("{why}");
         }
-        let (decoder, tokenizer) = pipeline::llm::open_decoder_on(&self.model, options, device)?;
+        let (mut decoder, tokenizer) =
+            pipeline::llm::open_decoder_on(&self.model, options, device)?;
+        if let Some(budget) = self.kv_budget {
+            decoder.set_pruning(Some(pipeline::decoder::Pruning {
+                budget,
+                policy: self.prune.parse()?,
+            }))?;
+        }
         let r = decoder.report();
         if let Some(p) = &r.cache_written {
             eprintln!(
@@ -1041,6 +1065,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 stats.generated,
                 stats.decode_tokens_per_s()
             );
+            if stats.kv_pages_pruned > 0 {
+                eprintln!("kv_pages_pruned {}", stats.kv_pages_pruned);
+            }
             if drafter.is_some() {
                 let d = &stats.draft;
                 eprintln!(
@@ -1088,6 +1115,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     "scored_tokens": r.scored_tokens,
                     "tokens_in_text": r.tokens_in_text,
                     "seconds": r.seconds,
+                    "kv_budget": model.kv_budget,
+                    "prune": model.kv_budget.map(|_| model.prune.clone()),
+                    "kv_pages_pruned": decoder.pages_pruned(),
                 })
             );
             Ok(())

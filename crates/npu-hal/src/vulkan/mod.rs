@@ -2284,9 +2284,17 @@ impl VulkanNpu {
             ops,
             batch,
             kv,
+            attention,
             wait,
             signal,
         } = s;
+        if attention.is_some() {
+            return Err(Error::Unsupported {
+                what: "attention statistics (KV pruning by h2o or entropy)",
+                why: "the GPU kernels do not write their attention probabilities back; use --prune sinks"
+                    .into(),
+            });
+        }
         if batch.tokens.is_empty() {
             return Err(Error::BadOp {
                 op: 0,

@@ -173,6 +173,10 @@ pub struct ChainSpec {
     /// Reuse the previous frame's K/V when the image embeddings' relative RMS difference from
     /// it is at most this (e.g. 0.02); off when unset.
     pub skip_similar: Option<f32>,
+    /// Keep each reply's KV cache within this many tokens (`prune` picks which pages go).
+    pub kv_budget: Option<usize>,
+    /// `sinks` (default), `h2o` or `entropy`.
+    pub prune: Option<String>,
     pub synthetic: SyntheticTower,
     /// Run the tower at another square input size than its native one (a multiple of the patch
     /// size); the position grid follows SmolVLM's own bucketing.
@@ -224,6 +228,8 @@ impl ChainSpec {
             draft,
             draft_tokens,
             skip_similar,
+            kv_budget,
+            prune,
             image_size
         );
         if other.isp != Placement::Auto {
@@ -370,7 +376,15 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
     let choice: crate::llm::DeviceChoice = spec.device.as_deref().unwrap_or("cpu").parse()?;
     let (device, picked) = crate::llm::open_device(choice, spec.threads.unwrap_or(0))?;
     notes.extend(picked);
-    let (decoder, tokenizer) = crate::llm::open_decoder_on(model, options, device)?;
+    let (mut decoder, tokenizer) = crate::llm::open_decoder_on(model, options, device)?;
+    if let Some(budget) = spec.kv_budget {
+        decoder.set_pruning(Some(crate::decoder::Pruning {
+            budget,
+            policy: spec.prune.as_deref().unwrap_or("sinks").parse()?,
+        }))?;
+    } else if spec.prune.is_some() {
+        return Err("prune needs kv_budget".into());
+    }
     let tokenizer = tokenizer
         .ok_or("the model has no tokenizer (GGUF tokenizer.ggml.* or tokenizer.json needed)")?;
     let text_hidden = decoder.config().hidden;

@@ -190,6 +190,8 @@ pub struct RunReport {
     pub prefix_cached_tokens: u64,
     /// Frames whose image K/V were reused from the previous frame (`skip_similar`).
     pub frames_reused: u64,
+    /// KV pages dropped by the decoder's budget (`kv_budget`).
+    pub kv_pages_pruned: u64,
     pub stage_names: [String; 3],
     pub traces: Vec<TraceLog>,
     /// Set when the user stopped the run (Ctrl-C).
@@ -461,6 +463,7 @@ pub fn run(
                     report.draft.add(&generation.draft);
                     report.prefix_cached_tokens += generation.prefix_cached_tokens as u64;
                     report.frames_reused += u64::from(generation.image_reused);
+                    report.kv_pages_pruned += generation.kv_pages_pruned;
                     let n = report.frames_decoded;
                     record(
                         &mut report.ttft_ms,
@@ -991,6 +994,7 @@ impl RunReport {
             "draft_tokens_per_step": self.draft.drafted_per_step(),
             "prefix_cached_tokens": self.prefix_cached_tokens,
             "frames_reused": self.frames_reused,
+            "kv_pages_pruned": self.kv_pages_pruned,
             "stages": {
                 "isp": self.stage_names[0],
                 "encoder": self.stage_names[1],

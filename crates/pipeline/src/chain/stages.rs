@@ -193,6 +193,8 @@ pub struct Generation {
     pub prefix_cached_tokens: usize,
     /// The image was found unchanged from the last one (`skip_similar`): its K/V were reused.
     pub image_reused: bool,
+    /// KV pages the budget dropped.
+    pub kv_pages_pruned: u64,
 }
 
 /// The decoder: image embeddings in, text out, streamed piece by piece.
@@ -1235,6 +1237,7 @@ impl DecoderStage for NpuDecoder {
             draft: stats.draft,
             prefix_cached_tokens: stats.prefix_cached_tokens,
             image_reused: reused,
+            kv_pages_pruned: stats.kv_pages_pruned,
         })
     }
 
