@@ -7,8 +7,10 @@
 //! prompt never holds 512 x vocab logits at once. Each submission waits on and signals the
 //! decoder's CPU timeline, which is how other stages will hand work to it.
 //!
-//! Invariants: the KV cache holds exactly the tokens of the current sequence (`self.len`), and
-//! every position below `len` has its K/V written in every layer.
+//! Invariants: the KV cache holds the tokens of the current sequence (`self.len` positions), less
+//! the whole pages a KV budget dropped ([`Decoder::set_pruning`]); every token it holds has its
+//! K/V written in every layer. A failed step drops the sequence and its pages leave the prefix
+//! cache.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -700,10 +702,17 @@ impl Decoder {
     /// on counting, so the model sees the kept tokens where they were.
     ///
     /// # Errors
-    /// A budget under 4 pages (64 tokens) or over the context, or an attention-ranked policy on
-    /// a device that cannot report attention (it refuses the first submission).
+    /// A budget under 4 pages (64 tokens) or over the context, or a GPU device (its kernels
+    /// find keys by position). Another device that cannot report attention refuses the
+    /// attention-ranked policies at the first submission.
     pub fn set_pruning(&mut self, pruning: Option<Pruning>) -> Result<(), DecodeError> {
         let bt = self.kv.layout().block_tokens;
+        if pruning.is_some() && self.device.info().kind == npu_hal::DeviceKind::Gpu {
+            return Err(DecodeError::BadInput(
+                "a KV budget needs the CPU NPU: the GPU backend's attention finds keys by position, which pruning breaks"
+                    .into(),
+            ));
+        }
         if let Some(p) = pruning
             && (p.budget < 4 * bt || p.budget > self.options.ctx)
         {

@@ -2291,8 +2291,7 @@ impl VulkanNpu {
         if attention.is_some() {
             return Err(Error::Unsupported {
                 what: "attention statistics (KV pruning by h2o or entropy)",
-                why: "the GPU kernels do not write their attention probabilities back; use --prune sinks"
-                    .into(),
+                why: "the GPU kernels do not write their attention probabilities back".into(),
             });
         }
         if batch.tokens.is_empty() {
@@ -2302,10 +2301,19 @@ impl VulkanNpu {
             });
         }
         let kv: Option<&KvCache> = kv.map(|k| &*k);
+        let has_attention = ops.iter().any(|o| matches!(o, Op::Attention { .. }));
+        if let Some(k) = kv.filter(|_| has_attention)
+            && k.manager().len(batch.seq)? != batch.first_pos + batch.tokens.len()
+        {
+            // The kernels find a query's keys by its position: a pruned cache holds fewer.
+            return Err(Error::Unsupported {
+                what: "attention over a pruned KV cache",
+                why: "the GPU kernels index the cache by position; run --kv-budget on the CPU NPU"
+                    .into(),
+            });
+        }
         let kv_key = match kv {
-            Some(k) if ops.iter().any(|o| matches!(o, Op::Attention { .. })) => {
-                Some(self.mirror(k)?)
-            }
+            Some(k) if has_attention => Some(self.mirror(k)?),
             _ => None,
         };
         let weight_shape = |w: WeightId| self.weight_shape_of(w);
