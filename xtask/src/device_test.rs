@@ -231,6 +231,12 @@ const TESTS: &[HardwareTest] = &[
         "gpu_decoder_greedy_ids_agree_with_the_cpu",
         &[Need::Vulkan],
     ),
+    in_ci(
+        "pipeline",
+        Target::Test("gpu_decoder"),
+        "gpu_speculative_greedy_output_is_plain_greedy_output",
+        &[Need::Vulkan],
+    ),
 ];
 
 /// Whether the discovery `report` shows what `need` asks for; `Err` says why not.

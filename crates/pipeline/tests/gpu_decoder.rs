@@ -159,3 +159,69 @@ fn gpu_decoder_refuses_a_bad_token_by_name_and_recovers() {
     // The refused call left no timeline value unsignalled: the next one runs.
     assert_eq!(gpu.forward_last(&[1, 2, 3]).unwrap().len(), vocab as usize);
 }
+
+/// Speculative decoding on the GPU backend: greedy output with n-gram drafts and with the
+/// 1-layer draft model is the GPU's plain greedy output, token for token (the GPU's verification
+/// rows agree with its one-token steps on these prompts; the test says so if they stop to).
+#[test]
+fn gpu_speculative_greedy_output_is_plain_greedy_output() {
+    use pipeline::llm::Speculation;
+    use pipeline::speculative::{DraftControl, Drafter, ModelDrafter, NgramDrafter};
+    let Some(device) = gpu() else { return };
+    let mut d = pipeline::llm::open_decoder_on(
+        &fixture("tiny.gguf"),
+        options("default", PageDtype::F16),
+        device,
+    )
+    .unwrap()
+    .0;
+    let greedy = SamplingParams::default();
+    let draft = pipeline::llm::open_decoder(
+        &fixture("draft-1layer.gguf"),
+        options("default", PageDtype::F16),
+        2,
+    )
+    .unwrap()
+    .0;
+    let mut model = ModelDrafter::new(draft, &greedy, 0.0).unwrap();
+    let mut ngram = NgramDrafter::default();
+    let mut accepted = 0;
+    for prompt in [
+        vec![1u32, 17, 42, 99, 17, 42, 99, 17, 42],
+        vec![1, 250, 3, 77, 140, 5],
+    ] {
+        let mut run = |drafter: Option<&mut dyn Drafter>| {
+            let mut out = Vec::new();
+            let speculation = drafter.map(|drafter| Speculation {
+                drafter,
+                control: DraftControl::new(4, 0.0),
+            });
+            let stats = pipeline::llm::generate_speculative(
+                &mut d,
+                &prompt,
+                40,
+                greedy.clone(),
+                &[],
+                None,
+                speculation,
+                |t| {
+                    out.push(t);
+                    true
+                },
+            )
+            .unwrap();
+            (out, stats.draft.accepted)
+        };
+        let (plain, _) = run(None);
+        let (with_ngram, a) = run(Some(&mut ngram));
+        accepted += a;
+        let (with_model, a) = run(Some(&mut model));
+        accepted += a;
+        assert_eq!(with_ngram, plain, "n-gram drafts, prompt {prompt:?}");
+        assert_eq!(with_model, plain, "model drafts, prompt {prompt:?}");
+    }
+    assert!(
+        accepted > 0,
+        "no draft was accepted: the comparison proved nothing"
+    );
+}
