@@ -412,16 +412,13 @@ pub(crate) fn verify(
     if qd > 0.0 && sampler.uniform() < pd / qd {
         return Verdict::Accept;
     }
-    // The residual max(0, p - q), renormalised by the draw.
+    // The residual max(0, p - q), renormalised by the draw. (q by id: both may hold the whole
+    // vocabulary when top-k is off.)
+    let q_by_id: std::collections::HashMap<u32, f64> =
+        q.unwrap_or(&[(d, 1.0)]).iter().copied().collect();
     let residual: Vec<(u32, f64)> = p
         .iter()
-        .map(|&(id, x)| {
-            let y = match q {
-                Some(q) => prob(q, id),
-                None => f64::from(u8::from(id == d)),
-            };
-            (id, (x - y).max(0.0))
-        })
+        .map(|&(id, x)| (id, (x - q_by_id.get(&id).copied().unwrap_or(0.0)).max(0.0)))
         .filter(|&(_, r)| r > 0.0)
         .collect();
     if residual.is_empty() {
