@@ -871,15 +871,21 @@ impl Decoder {
 
     /// The ids the KV manager records for `tokens` (its prefix cache hashes them): the tokens,
     /// with spliced rows named by their splice's key.
-    fn cache_ids(tokens: &[u32], splice: Option<Splice<'_>>, hidden: usize) -> Vec<u32> {
+    /// Borrowed when nothing is spliced (every decode step).
+    fn cache_ids<'t>(
+        tokens: &'t [u32],
+        splice: Option<Splice<'_>>,
+        hidden: usize,
+    ) -> std::borrow::Cow<'t, [u32]> {
+        let Some(sp) = splice else {
+            return std::borrow::Cow::Borrowed(tokens);
+        };
         let mut ids = tokens.to_vec();
-        if let Some(sp) = splice {
-            let rows = sp.start..sp.start + sp.data.len() / hidden;
-            for r in rows {
-                ids[r] = sp.cache_id(r);
-            }
+        let rows = sp.start..sp.start + sp.data.len() / hidden;
+        for (r, id) in rows.clone().zip(&mut ids[rows]) {
+            *id = sp.cache_id(r);
         }
-        ids
+        std::borrow::Cow::Owned(ids)
     }
 
     fn forward_inner(

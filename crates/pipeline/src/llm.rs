@@ -136,6 +136,33 @@ impl std::str::FromStr for DraftSource {
     }
 }
 
+/// Opens the drafter `source` names (`--draft`: `ngram`, or a draft model's path opened on a
+/// fresh `device` of the given kind with `threads` workers) for `target`. Returns it and, for a
+/// model, a line saying what was loaded.
+pub fn open_drafter(
+    source: &str,
+    target: &Decoder,
+    target_tokenizer: Option<&Tokenizer>,
+    device: DeviceChoice,
+    threads: usize,
+    sampling: &SamplingParams,
+) -> Result<(Box<dyn Drafter + Send>, Option<String>), DecodeError> {
+    Ok(match source.parse::<DraftSource>()? {
+        DraftSource::Ngram => (Box::new(crate::speculative::NgramDrafter::default()), None),
+        DraftSource::Model(path) => {
+            let (device, _) = open_device(device, threads)?;
+            let drafter = open_draft_model(&path, target, target_tokenizer, device, sampling)?;
+            let note = format!(
+                "draft model {}: {:.1} MiB of weights, {:.2} of the target's bytes per token",
+                path.display(),
+                drafter.decoder().report().weight_bytes as f64 / (1 << 20) as f64,
+                drafter.cost_per_token()
+            );
+            (Box::new(drafter), Some(note))
+        }
+    })
+}
+
 /// Opens a draft model for `target` on `device`: the same context, KV dtype and batch limits,
 /// the policy its file records (else `default`). Refuses a model whose vocabulary differs from
 /// the target's: by size, and token by token where both have tokenizers.
@@ -292,8 +319,15 @@ pub fn generate_constrained(
     grammar: Option<&crate::grammar::Grammar>,
     on_token: impl FnMut(u32) -> bool,
 ) -> Result<GenerationStats, DecodeError> {
-    generate_speculative(
-        decoder, prompt, max_tokens, sampling, stop, grammar, None, on_token,
+    generate_from(
+        decoder,
+        Prompt::text(prompt),
+        max_tokens,
+        sampling,
+        stop,
+        grammar,
+        None,
+        on_token,
     )
 }
 
@@ -396,8 +430,8 @@ pub fn generate_from(
     let mut draft = Draft::default();
     let mut dist = Vec::new();
     let mut first = None;
-    // Where the pass's fed tokens start in the sequence.
-    let mut fed_from = 0;
+    // The pass's input: the last token, then the drafts.
+    let mut feed = Vec::new();
     loop {
         // Walk the pass's rows: row i checks draft i (if any) and gives the next token.
         let mut accepted = 0;
@@ -455,8 +489,9 @@ pub fn generate_from(
             break;
         };
         // Roll back the drafts after the first rejected one.
-        if !draft.tokens.is_empty() {
-            decoder.truncate(fed_from + 1 + accepted)?;
+        let rejected = draft.tokens.len() - accepted;
+        if rejected > 0 {
+            decoder.truncate(decoder.len() - rejected)?;
         }
         draft.tokens.clear();
         draft.dists.clear();
@@ -477,11 +512,10 @@ pub fn generate_from(
         }
         stats.draft.steps += 1;
         stats.draft.drafted += draft.tokens.len();
-        let mut feed = Vec::with_capacity(draft.tokens.len() + 1);
+        feed.clear();
         feed.push(pending);
         feed.extend_from_slice(&draft.tokens);
         rows.resize(feed.len() * vocab, 0.0);
-        fed_from = decoder.len();
         decoder.forward(&feed, 0..feed.len(), |i, l| {
             rows[i * vocab..(i + 1) * vocab].copy_from_slice(l)
         })?;

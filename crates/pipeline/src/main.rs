@@ -631,27 +631,23 @@ impl DraftArgs {
         tokenizer: Option<&pipeline::model::tokenizer::Tokenizer>,
         model: &ModelArgs,
         sampling: &npu_hal::sampling::SamplingParams,
-    ) -> Result<Option<Box<dyn pipeline::speculative::Drafter>>, Box<dyn std::error::Error>> {
-        use pipeline::llm::DraftSource;
+    ) -> Result<Option<Box<dyn pipeline::speculative::Drafter + Send>>, Box<dyn std::error::Error>>
+    {
         let Some(source) = &self.draft else {
             return Ok(None);
         };
-        Ok(Some(match source.parse::<DraftSource>()? {
-            DraftSource::Ngram => Box::new(pipeline::speculative::NgramDrafter::default()),
-            DraftSource::Model(path) => {
-                let (device, _) = pipeline::llm::open_device(model.device.parse()?, model.threads)?;
-                let drafter =
-                    pipeline::llm::open_draft_model(&path, target, tokenizer, device, sampling)?;
-                let r = drafter.decoder().report();
-                eprintln!(
-                    "draft model {}: {:.1} MiB of weights, {:.2} of the target's bytes per token",
-                    path.display(),
-                    r.weight_bytes as f64 / (1 << 20) as f64,
-                    pipeline::speculative::Drafter::cost_per_token(&drafter)
-                );
-                Box::new(drafter)
-            }
-        }))
+        let (drafter, note) = pipeline::llm::open_drafter(
+            source,
+            target,
+            tokenizer,
+            model.device.parse()?,
+            model.threads,
+            sampling,
+        )?;
+        if let Some(note) = note {
+            eprintln!("{note}");
+        }
+        Ok(Some(drafter))
     }
 }
 

@@ -6,7 +6,7 @@
 //! # Drafters
 //! - [`NgramDrafter`]: prompt lookup. The most recent earlier occurrence of the context's last
 //!   n-gram (longest first) proposes the tokens that followed it, in the context or in texts
-//!   it was given ([`NgramDrafter::remember`]: `pipeline run` gives it the previous replies).
+//!   it was given ([`Drafter::remember`]: `pipeline run` gives it the previous replies).
 //! - [`ModelDrafter`]: a smaller model with the same vocabulary, decoding on its own KV cache,
 //!   which it keeps in step with the target's accepted tokens by truncating (never copying).
 //!
@@ -106,18 +106,6 @@ impl NgramDrafter {
         }
     }
 
-    /// Adds a text (token ids) to search after the context: `pipeline run` adds each reply, so
-    /// a frame's reply can draft from the previous frames' replies.
-    pub fn remember(&mut self, tokens: &[u32]) {
-        if tokens.is_empty() || self.keep == 0 {
-            return;
-        }
-        if self.remembered.len() == self.keep {
-            self.remembered.pop_front();
-        }
-        self.remembered.push_back(tokens.to_vec());
-    }
-
     /// The continuation of the most recent earlier occurrence of `context`'s last `n` tokens
     /// inside `text` (`text` = `context` itself: the occurrence must end before the last token).
     fn lookup<'t>(pattern: &[u32], text: &'t [u32], is_context: bool) -> Option<&'t [u32]> {
@@ -136,8 +124,16 @@ impl NgramDrafter {
 }
 
 impl Drafter for NgramDrafter {
-    fn remember(&mut self, reply: &[u32]) {
-        NgramDrafter::remember(self, reply);
+    /// Adds a text (token ids) to search after the context: `pipeline run` adds each reply, so
+    /// a frame's reply can draft from the previous frames' replies.
+    fn remember(&mut self, tokens: &[u32]) {
+        if tokens.is_empty() || self.keep == 0 {
+            return;
+        }
+        if self.remembered.len() == self.keep {
+            self.remembered.pop_front();
+        }
+        self.remembered.push_back(tokens.to_vec());
     }
 
     fn draft(&mut self, context: &[u32], k: usize, draft: &mut Draft) -> Result<(), DecodeError> {
@@ -230,10 +226,11 @@ impl Drafter for ModelDrafter {
         self.cached.truncate(common);
         let greedy = self.sampler.params().temperature == 0.0;
         let mut feed: Vec<u32> = context[common..].to_vec();
+        // The context and the drafts so far, for the repetition penalty.
+        let mut history = context.to_vec();
         for i in 0..k {
             self.decoder.forward_last_into(&feed, &mut self.logits)?;
             self.cached.extend_from_slice(&feed);
-            let history: Vec<u32> = context.iter().chain(&draft.tokens).copied().collect();
             let token = if greedy {
                 self.sampler
                     .sample(&mut self.logits, &history)
@@ -248,6 +245,7 @@ impl Drafter for ModelDrafter {
                 t
             };
             draft.tokens.push(token);
+            history.push(token);
             if i + 1 < k {
                 feed.clear();
                 feed.push(token);
@@ -284,7 +282,9 @@ pub struct DraftControl {
 /// The extra cost of one more verified row on the CPU NPU, relative to a one-token step:
 /// SmolLM2-135M, default policy, 2 threads, 256-token context, 4.82 ms for one row and 27.03 ms
 /// for 16 (`cargo bench -p benches --bench bench_main -- decode_verify`, 2026-12-01). On two
-/// cores the batched linear layers are compute-bound, so rows are far from free.
+/// cores the batched linear layers are compute-bound, so rows are far from free. `generate` and
+/// `run` use it on every device: the GPU backend's row cost is not measured yet, and a
+/// bandwidth-bound GPU's is lower, so there it errs toward drafting too little.
 pub const CPU_ROW_COST: f64 = 0.31;
 
 impl DraftControl {

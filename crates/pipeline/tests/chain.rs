@@ -234,7 +234,10 @@ impl DecoderStage for SlowDecoder {
         std::thread::sleep(self.delay);
         on_text("ok");
         Ok(Generation {
-            tokens: 1,
+            stats: pipeline::llm::GenerationStats {
+                generated: 1,
+                ..Default::default()
+            },
             ..Generation::default()
         })
     }
@@ -665,7 +668,10 @@ impl DecoderStage for SleepyDecoder {
         std::thread::sleep(self.delay);
         on_text("ok");
         Ok(Generation {
-            tokens: 1,
+            stats: pipeline::llm::GenerationStats {
+                generated: 1,
+                ..Default::default()
+            },
             ..Generation::default()
         })
     }

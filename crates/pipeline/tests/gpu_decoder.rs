@@ -12,6 +12,8 @@ use kv_paged::PageDtype;
 use npu_hal::sampling::SamplingParams;
 use pipeline::decoder::{Decoder, DecoderOptions, WeightPolicy};
 
+mod common;
+
 fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../fixtures/tiny-llama")
@@ -165,7 +167,6 @@ fn gpu_decoder_refuses_a_bad_token_by_name_and_recovers() {
 /// rows agree with its one-token steps on these prompts; the test says so if they stop to).
 #[test]
 fn gpu_speculative_greedy_output_is_plain_greedy_output() {
-    use pipeline::llm::Speculation;
     use pipeline::speculative::{DraftControl, Drafter, ModelDrafter, NgramDrafter};
     let Some(device) = gpu() else { return };
     let mut d = pipeline::llm::open_decoder_on(
@@ -191,25 +192,8 @@ fn gpu_speculative_greedy_output_is_plain_greedy_output() {
         vec![1, 250, 3, 77, 140, 5],
     ] {
         let mut run = |drafter: Option<&mut dyn Drafter>| {
-            let mut out = Vec::new();
-            let speculation = drafter.map(|drafter| Speculation {
-                drafter,
-                control: DraftControl::new(4, 0.0),
-            });
-            let stats = pipeline::llm::generate_speculative(
-                &mut d,
-                &prompt,
-                40,
-                greedy.clone(),
-                &[],
-                None,
-                speculation,
-                |t| {
-                    out.push(t);
-                    true
-                },
-            )
-            .unwrap();
+            let drafter = drafter.map(|d| (d, DraftControl::new(4, 0.0)));
+            let (out, stats) = common::generate_ids(&mut d, &prompt, 40, &greedy, drafter);
             (out, stats.draft.accepted)
         };
         let (plain, _) = run(None);

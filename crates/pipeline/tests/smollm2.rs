@@ -10,6 +10,8 @@
 use std::path::PathBuf;
 
 use npu_hal::sampling::SamplingParams;
+
+mod common;
 use pipeline::decoder::{Decoder, DecoderOptions, WeightPolicy};
 
 /// llama.cpp's perplexity for this file and text at ctx 512 (issue #6).
@@ -250,7 +252,7 @@ fn smollm2_gpu_perplexity_is_within_one_percent_of_the_cpu() {
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn speculative_greedy_output_is_plain_greedy_output() {
-    use pipeline::speculative::{CPU_ROW_COST, DraftControl, NgramDrafter};
+    use pipeline::speculative::{CPU_ROW_COST, DraftControl, Drafter, NgramDrafter};
     let (mut d, tok) = open("default");
     let passage = std::fs::read_to_string(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/prompts/repeat-passage.txt"),
@@ -263,26 +265,13 @@ fn speculative_greedy_output_is_plain_greedy_output() {
         let prompt = tok.encode(text, d.config().add_bos).unwrap();
         let mut run = |drafting: bool| {
             let mut ngram = NgramDrafter::default();
-            let speculation = drafting.then(|| pipeline::llm::Speculation {
-                drafter: &mut ngram,
-                control: DraftControl::new(8, CPU_ROW_COST),
+            let drafter = drafting.then(|| {
+                (
+                    &mut ngram as &mut dyn Drafter,
+                    DraftControl::new(8, CPU_ROW_COST),
+                )
             });
-            let mut out = Vec::new();
-            let stats = pipeline::llm::generate_speculative(
-                &mut d,
-                &prompt,
-                128,
-                SamplingParams::default(),
-                &[],
-                None,
-                speculation,
-                |t| {
-                    out.push(t);
-                    true
-                },
-            )
-            .unwrap();
-            (out, stats)
+            common::generate_ids(&mut d, &prompt, 128, &SamplingParams::default(), drafter)
         };
         let (plain, _) = run(false);
         let (spec, stats) = run(true);

@@ -8,8 +8,10 @@ use std::path::PathBuf;
 use kv_paged::PageDtype;
 use npu_hal::sampling::{Sampler, SamplingParams};
 use pipeline::decoder::{Decoder, DecoderOptions, WeightPolicy};
-use pipeline::llm::{GenerationStats, Speculation};
 use pipeline::speculative::{DraftControl, Drafter, ModelDrafter, NgramDrafter};
+
+mod common;
+use common::generate_ids;
 
 fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -31,32 +33,6 @@ fn open(model: &str, policy: &str) -> Decoder {
         .0
 }
 
-fn generate(
-    d: &mut Decoder,
-    prompt: &[u32],
-    max_tokens: usize,
-    sampling: &SamplingParams,
-    drafter: Option<(&mut dyn Drafter, DraftControl)>,
-) -> (Vec<u32>, GenerationStats) {
-    let mut out = Vec::new();
-    let speculation = drafter.map(|(drafter, control)| Speculation { drafter, control });
-    let stats = pipeline::llm::generate_speculative(
-        d,
-        prompt,
-        max_tokens,
-        sampling.clone(),
-        &[],
-        None,
-        speculation,
-        |t| {
-            out.push(t);
-            true
-        },
-    )
-    .unwrap();
-    (out, stats)
-}
-
 /// Prompts with repeats for the n-gram drafter to find, and one without.
 fn prompts() -> Vec<Vec<u32>> {
     vec![
@@ -76,13 +52,13 @@ fn greedy_output_is_plain_greedy_token_for_token() {
         let mut model = ModelDrafter::new(draft_decoder, &greedy, 0.0).unwrap();
         let (mut drafted, mut accepted) = (0, 0);
         for prompt in prompts() {
-            let (plain, _) = generate(&mut target, &prompt, 60, &greedy, None);
+            let (plain, _) = generate_ids(&mut target, &prompt, 60, &greedy, None);
             let drafters: [&mut dyn Drafter; 2] = [&mut ngram, &mut model];
             for (name, drafter) in ["ngram", "model"].into_iter().zip(drafters) {
                 for k in [1, 4, 15] {
                     let control = DraftControl::new(k, 0.0);
                     let (spec, stats) =
-                        generate(&mut target, &prompt, 60, &greedy, Some((drafter, control)));
+                        generate_ids(&mut target, &prompt, 60, &greedy, Some((drafter, control)));
                     assert_eq!(
                         spec, plain,
                         "{policy}, {name} drafts, k = {k}, prompt {prompt:?}"
@@ -198,7 +174,7 @@ fn sampled_output_keeps_the_target_distribution() {
             };
             let control = DraftControl::new(2, 0.0);
             let (out, stats) =
-                generate(&mut target, &prompt, 3, &s, Some((&mut *drafter, control)));
+                generate_ids(&mut target, &prompt, 3, &s, Some((&mut *drafter, control)));
             c2[out[1] as usize] += 1;
             c3[out[2] as usize] += 1;
             drafted += stats.draft.drafted;

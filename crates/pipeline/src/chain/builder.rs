@@ -522,26 +522,19 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         seed: spec.seed.unwrap_or(0x5eed),
         ..Default::default()
     };
-    let drafter: Option<Box<dyn crate::speculative::Drafter + Send>> = match spec
-        .draft
-        .as_deref()
-        .map(str::parse::<crate::llm::DraftSource>)
-        .transpose()?
-    {
+    let drafter = match spec.draft.as_deref() {
         None => None,
-        Some(crate::llm::DraftSource::Ngram) => {
-            Some(Box::new(crate::speculative::NgramDrafter::default()))
-        }
-        Some(crate::llm::DraftSource::Model(path)) => {
-            let (device, _) = crate::llm::open_device(choice, spec.threads.unwrap_or(0))?;
-            let d =
-                crate::llm::open_draft_model(&path, &decoder, Some(&tokenizer), device, &sampling)?;
-            notes.push(format!(
-                "draft model {}: {:.2} of the target's bytes per token",
-                path.display(),
-                crate::speculative::Drafter::cost_per_token(&d)
-            ));
-            Some(Box::new(d))
+        Some(source) => {
+            let (drafter, note) = crate::llm::open_drafter(
+                source,
+                &decoder,
+                Some(&tokenizer),
+                choice,
+                spec.threads.unwrap_or(0),
+                &sampling,
+            )?;
+            notes.extend(note);
+            Some(drafter)
         }
     };
     let mut decoder = NpuDecoder::new(

@@ -458,17 +458,18 @@ pub fn run(
             match result {
                 Ok(generation) => {
                     report.frames_decoded += 1;
-                    report.tokens += generation.tokens as u64;
-                    report.decode_time += generation.decode_time;
-                    report.draft.add(&generation.draft);
-                    report.prefix_cached_tokens += generation.prefix_cached_tokens as u64;
+                    let stats = &generation.stats;
+                    report.tokens += stats.generated as u64;
+                    report.decode_time += stats.decode_time;
+                    report.draft.add(&stats.draft);
+                    report.prefix_cached_tokens += stats.prefix_cached_tokens as u64;
                     report.frames_reused += u64::from(generation.image_reused);
-                    report.kv_pages_pruned += generation.kv_pages_pruned;
+                    report.kv_pages_pruned += stats.kv_pages_pruned;
                     let n = report.frames_decoded;
                     record(
                         &mut report.ttft_ms,
                         n,
-                        generation.time_to_first_token.as_secs_f64() * 1e3,
+                        stats.time_to_first_token.as_secs_f64() * 1e3,
                     );
                     record(&mut report.latency.decoder, n, ms(elapsed));
                     record(

@@ -180,21 +180,12 @@ impl Completion {
     }
 }
 
-/// What one generation produced and how fast.
+/// What one reply produced and how fast: the generation's own statistics, and whether the
+/// image was found unchanged from the last one (`skip_similar`) so its K/V were reused.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Generation {
-    pub prompt_tokens: usize,
-    pub tokens: usize,
-    pub time_to_first_token: Duration,
-    pub decode_time: Duration,
-    /// Speculative decoding's counters (zero without a drafter).
-    pub draft: crate::speculative::DraftStats,
-    /// Prompt tokens whose K/V came from the prefix cache.
-    pub prefix_cached_tokens: usize,
-    /// The image was found unchanged from the last one (`skip_similar`): its K/V were reused.
+    pub stats: crate::llm::GenerationStats,
     pub image_reused: bool,
-    /// KV pages the budget dropped.
-    pub kv_pages_pruned: u64,
 }
 
 /// The decoder: image embeddings in, text out, streamed piece by piece.
@@ -1230,14 +1221,8 @@ impl DecoderStage for NpuDecoder {
             drafter.remember(&reply_tokens);
         }
         Ok(Generation {
-            prompt_tokens: tokens.len(),
-            tokens: stats.generated,
-            time_to_first_token: stats.time_to_first_token,
-            decode_time: stats.decode_time,
-            draft: stats.draft,
-            prefix_cached_tokens: stats.prefix_cached_tokens,
+            stats,
             image_reused: reused,
-            kv_pages_pruned: stats.kv_pages_pruned,
         })
     }
 
