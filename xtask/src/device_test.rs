@@ -39,6 +39,8 @@ enum Need {
     Vulkan,
     /// A Vulkan adapter with cooperative matrices (tensor cores) and f16 shaders.
     VulkanCoopMatrix,
+    /// A Vulkan adapter whose timeline semaphores other devices can import (opaque fds).
+    VulkanTimelineExport,
 }
 
 /// Where a test lives: the package's library tests or an integration-test target.
@@ -220,6 +222,30 @@ const TESTS: &[HardwareTest] = &[
         &[Need::Vulkan],
     ),
     in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "unified_embeddings_are_read_in_place",
+        &[Need::Vulkan],
+    ),
+    hw(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "a_gpu_waits_on_another_devices_timeline_in_its_queue",
+        &[Need::VulkanTimelineExport],
+    ),
+    in_ci(
+        "pipeline",
+        Target::Test("chain"),
+        "the_gpu_decoder_reads_the_encoders_embeddings_in_place",
+        &[Need::Vulkan],
+    ),
+    hw(
+        "pipeline",
+        Target::Test("chain"),
+        "the_gpu_decoder_waits_for_the_encoder_in_its_queue",
+        &[Need::VulkanTimelineExport],
+    ),
+    in_ci(
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_decoder_logits_match_the_cpu_on_tiny_llama",
@@ -247,7 +273,7 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
         Need::DrmRenderNode | Need::Vgem => "drm_render_nodes",
         Need::Camera => "v4l2_devices",
         Need::Accel => "accel_devices",
-        Need::Vulkan | Need::VulkanCoopMatrix => "vulkan",
+        Need::Vulkan | Need::VulkanCoopMatrix | Need::VulkanTimelineExport => "vulkan",
     };
     let entry = &report[class];
     if entry.get("present").and_then(Value::as_bool) == Some(false) {
@@ -276,6 +302,21 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
             ))
         } else {
             Err("vulkan: no adapter offers cooperative matrices with f16 shaders".into())
+        };
+    }
+    if need == Need::VulkanTimelineExport {
+        let found = items.map_or(0, |items| {
+            items
+                .iter()
+                .filter(|i| i["exports_timelines"] == Value::Bool(true))
+                .count()
+        });
+        return if found > 0 {
+            Ok(format!(
+                "vulkan: {found} adapter(s) export timeline semaphores"
+            ))
+        } else {
+            Err("vulkan: no adapter exports timeline semaphores as opaque fds".into())
         };
     }
     if need == Need::Vgem {

@@ -152,6 +152,8 @@ fn vulkan_adapters() -> Value {
                 "driver_info": info.driver_info,
                 "shader_f16": a.features().contains(wgpu::Features::SHADER_F16),
                 "cooperative_matrix": coop,
+                // Another device (npu-hal's GPU decoder) can wait on its timelines in its queue.
+                "exports_timelines": sync_timeline::vulkan::adapter_exports_timelines(a),
             })
         })
         .collect();

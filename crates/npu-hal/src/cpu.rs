@@ -16,8 +16,8 @@ use uvm_alloc::{Access, Allocator, AllocatorDesc, UnifiedBuffer};
 
 use crate::Error;
 use crate::device::{
-    Backend, Batch, Device, DeviceInfo, DeviceKind, Op, Probe, Rows, Submission, TensorId, Weight,
-    WeightId, check_op, check_rows,
+    Backend, Batch, Device, DeviceInfo, DeviceKind, EmbeddingData, Embeddings, Op, Probe, Rows,
+    Submission, TensorId, Weight, WeightId, check_op, check_rows,
 };
 use crate::kernels;
 use crate::pool::{WorkerPool, share};
@@ -134,6 +134,29 @@ impl CpuNpu {
                 let dst = g.typed_mut::<f32>()?;
                 let (rows, _) = w.shape();
                 let spliced = b.embeddings.as_ref();
+                // A unified source is read in place, under a read guard: the submission's wait
+                // (done before any op runs) is what made its writer finish.
+                let unified = match spliced.map(|e| (e, e.data.unified_bytes())) {
+                    Some((e, Ok(Some(bytes)))) => {
+                        let EmbeddingData::Unified { buffer, .. } = e.data else {
+                            unreachable!("unified_bytes is Some only for unified data")
+                        };
+                        Some(buffer.cpu_access(bytes, Access::Read)?)
+                    }
+                    Some((_, Err(e))) => return Err(e),
+                    _ => None,
+                };
+                let spliced_values: &[f32] = match (spliced, &unified) {
+                    (_, Some(g)) => g.typed::<f32>()?,
+                    (
+                        Some(Embeddings {
+                            data: EmbeddingData::Host(d),
+                            ..
+                        }),
+                        None,
+                    ) => d,
+                    _ => &[],
+                };
                 for (r, (t, row)) in b
                     .tokens
                     .iter()
@@ -143,7 +166,7 @@ impl CpuNpu {
                     if let Some(e) = spliced.filter(|e| e.rows.contains(&r)) {
                         let at = (r - e.rows.start) * o.width;
                         // `check` proved `data` holds `rows.len() * width` values.
-                        row.copy_from_slice(&e.data[at..at + o.width]);
+                        row.copy_from_slice(&spliced_values[at..at + o.width]);
                         continue;
                     }
                     let t = *t as usize;

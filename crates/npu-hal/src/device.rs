@@ -146,13 +146,89 @@ pub struct Batch<'a> {
 }
 
 /// Input embeddings for a run of batch rows, supplied instead of table lookups: how an image
-/// encoder's output (a unified buffer the GPU wrote) enters the decoder without a copy of its
-/// own. `data` holds `rows.len()` rows of the embedding table's width.
+/// encoder's output enters the decoder. `data` holds `rows.len()` rows of the embedding table's
+/// width.
 #[derive(Clone, Debug)]
 pub struct Embeddings<'a> {
     /// Batch rows (indices into [`Batch::tokens`]) that take their embedding from `data`.
     pub rows: Range<usize>,
-    pub data: &'a [f32],
+    pub data: EmbeddingData<'a>,
+}
+
+/// Where spliced embedding rows are.
+#[derive(Clone, Copy, Debug)]
+pub enum EmbeddingData<'a> {
+    /// Host memory, readable now.
+    Host(&'a [f32]),
+    /// `len` f32 values from byte `offset` of a unified buffer another engine writes (an image
+    /// encoder's output), valid once the submission's [`Submission::wait`] is reached. A device
+    /// that can import the buffer reads the rows in place, after waiting in its queue where the
+    /// wait is a timeline it can import; the CPU NPU reads them through a CPU read guard after
+    /// its host wait. The device only reads the buffer: a CPU writer that races the read gives
+    /// wrong rows, never undefined behaviour.
+    Unified {
+        buffer: &'a std::sync::Arc<uvm_alloc::UnifiedBuffer>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl<'a> EmbeddingData<'a> {
+    /// Values (not rows, not bytes).
+    pub fn len(&self) -> usize {
+        match self {
+            EmbeddingData::Host(d) => d.len(),
+            EmbeddingData::Unified { len, .. } => *len,
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values `range` of these (`None` when the range is out of bounds).
+    pub fn slice(&self, range: Range<usize>) -> Option<EmbeddingData<'a>> {
+        if range.start > range.end || range.end > self.len() {
+            return None;
+        }
+        Some(match *self {
+            EmbeddingData::Host(d) => EmbeddingData::Host(&d[range]),
+            EmbeddingData::Unified { buffer, offset, .. } => EmbeddingData::Unified {
+                buffer,
+                offset: offset + range.start * 4,
+                len: range.len(),
+            },
+        })
+    }
+
+    /// The byte range a unified source covers in its buffer, checked against the buffer's size
+    /// (`Ok(None)` for host data).
+    pub fn unified_bytes(&self) -> Result<Option<Range<usize>>, Error> {
+        let EmbeddingData::Unified {
+            buffer,
+            offset,
+            len,
+        } = *self
+        else {
+            return Ok(None);
+        };
+        let end = len
+            .checked_mul(4)
+            .and_then(|b| b.checked_add(offset))
+            .filter(|&end| end <= buffer.len() && offset % 4 == 0);
+        match end {
+            Some(end) => Ok(Some(offset..end)),
+            None => Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "embed: {len} f32 values at byte {offset} do not fit a {}-byte unified \
+                     buffer at 4-byte alignment",
+                    buffer.len()
+                ),
+            }),
+        }
+    }
 }
 
 /// One submission: a program, its batch, the KV cache it uses, and the timeline values it waits
@@ -238,6 +314,13 @@ pub trait Device: Send + std::fmt::Debug {
     fn timeline(&self) -> Option<std::sync::Arc<dyn Timeline>> {
         None
     }
+    /// Whether a submission whose [`Submission::wait`] is on `timeline` waits in the device's
+    /// own queue, with no host thread blocked (the GPU backend, for a Vulkan timeline of the
+    /// same GPU that it can import). `false`: the device waits on the host.
+    fn waits_in_queue(&self, timeline: &dyn Timeline) -> bool {
+        let _ = timeline;
+        false
+    }
     /// Time per kernel since the device was opened, longest first, where the device profiles its
     /// dispatches (the GPU backend with [`crate::VulkanConfig::profile`]); empty otherwise.
     fn profile(&self) -> Vec<KernelTime> {
@@ -264,6 +347,9 @@ pub struct DeviceStats {
     pub submissions: u64,
     /// Times a call blocked its thread on device work or on a timeline another engine signals.
     pub host_waits: u64,
+    /// Waits on another engine's timeline made in the device's queue, with no host wake (a
+    /// GPU encoder's completion imported into the GPU decoder's device).
+    pub queue_waits: u64,
     /// Host time inside [`Device::submit`]: checks, step values, queue submission.
     pub submit_time: std::time::Duration,
     /// Host time inside [`Device::read_tensor`] once results were ready: the copy out.
@@ -356,6 +442,7 @@ pub(crate) fn check_op(
             }
             if let Some(e) = &b.embeddings {
                 let rows = e.rows.len();
+                e.data.unified_bytes()?;
                 if e.rows.start > e.rows.end
                     || e.rows.end > n
                     || rows.checked_mul(cols) != Some(e.data.len())

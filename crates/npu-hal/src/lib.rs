@@ -52,8 +52,8 @@ mod vulkan;
 
 pub use cpu::{CpuBackend, CpuConfig, CpuNpu};
 pub use device::{
-    Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Embeddings, KernelTime, Op, Probe,
-    Rows, Submission, TensorId, Weight, WeightId,
+    Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, EmbeddingData, Embeddings,
+    KernelTime, Op, Probe, Rows, Submission, TensorId, Weight, WeightId,
 };
 pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};
 #[cfg(feature = "vulkan")]

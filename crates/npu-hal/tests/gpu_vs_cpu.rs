@@ -8,6 +8,7 @@
 #![cfg(feature = "vulkan")]
 
 use std::io::Write;
+use std::sync::Arc;
 
 use kv_paged::{KvCache, KvLayout, PageDtype};
 use mx_quant::gemv::MxMatrix;
@@ -17,6 +18,7 @@ use npu_hal::{
     Batch, CpuConfig, CpuNpu, DenseMatrix, Device, Numerics, Op, RopeStyle, Rows, Submission,
     TensorId, VulkanConfig, VulkanNpu, Weight,
 };
+use uvm_alloc::{Access, UnifiedBuffer};
 
 const HIDDEN: usize = 64;
 const HEADS: usize = 4;
@@ -530,4 +532,234 @@ fn unsupported_programs_are_refused_by_name() {
     let mut out = vec![0f32; HIDDEN];
     gpu.read_tensor(y, 0..1, &mut out).unwrap();
     assert!(out.iter().all(|&v| (v - 1.0).abs() < 1e-5), "{out:?}");
+}
+
+/// Runs a 100-token prefill whose rows 10..40 take their embeddings from `data` (instead of the
+/// table), then the head; returns the last rows' logits.
+fn run_spliced(
+    device: &mut dyn Device,
+    model: &Model,
+    data: npu_hal::EmbeddingData<'_>,
+    wait: Option<(&dyn sync_timeline::Timeline, u64)>,
+) -> Vec<f32> {
+    let mut kv = kv_cache(PageDtype::F16);
+    let chunk = &chunks()[0];
+    let appended = kv.append(0, chunk).expect("append");
+    let batch = |select| Batch {
+        tokens: chunk,
+        first_pos: 0,
+        seq: 0,
+        slots: &appended.slots,
+        select,
+        embeddings: None,
+    };
+    device
+        .submit(Submission {
+            ops: &model.body,
+            batch: Batch {
+                embeddings: Some(npu_hal::Embeddings {
+                    rows: SPLICED,
+                    data,
+                }),
+                ..batch(0..0)
+            },
+            kv: Some(&mut kv),
+            attention: None,
+            wait,
+            signal: None,
+        })
+        .expect("body");
+    let rows = LOGIT_ROWS;
+    device
+        .submit(Submission {
+            ops: &model.head,
+            batch: batch(chunk.len() - rows..chunk.len()),
+            kv: None,
+            attention: None,
+            wait: None,
+            signal: None,
+        })
+        .expect("head");
+    let mut logits = vec![0f32; rows * VOCAB];
+    device
+        .read_tensor(model.logits, 0..rows, &mut logits)
+        .expect("read");
+    logits
+}
+
+const SPLICED: std::ops::Range<usize> = 10..40;
+
+/// `rows` embedding rows, `skip` rows into a unified buffer (so the source has an offset),
+/// and the same values on the host.
+fn unified_rows(rows: usize, skip: usize, seed: u64) -> (Arc<UnifiedBuffer>, Vec<f32>) {
+    let mut rng = Rng(seed);
+    let values: Vec<f32> = (0..rows * HIDDEN).map(|_| rng.next()).collect();
+    let buffer = Arc::new(UnifiedBuffer::memfd((skip + rows) * HIDDEN * 4).expect("memfd"));
+    {
+        let mut g = buffer
+            .cpu_access(0..buffer.len(), Access::Write)
+            .expect("write guard");
+        let all = g.typed_mut::<f32>().expect("f32 view");
+        all[skip * HIDDEN..].copy_from_slice(&values);
+    }
+    (buffer, values)
+}
+
+fn unified(buffer: &Arc<UnifiedBuffer>, skip: usize) -> npu_hal::EmbeddingData<'_> {
+    npu_hal::EmbeddingData::Unified {
+        buffer,
+        offset: skip * HIDDEN * 4,
+        len: SPLICED.len() * HIDDEN,
+    }
+}
+
+/// Embedding rows another engine left in a unified buffer are read in place: the logits are
+/// those of the same rows given from host memory, on the GPU (bit for bit: the same kernel reads
+/// the same values) and on the CPU NPU, and the GPU's upload of spliced rows (the copy the
+/// ledger counts as `gpu-splice-upload`) is not made. More buffers than the GPU keeps imported
+/// at once are cycled through, and each still gives its own rows' logits.
+#[test]
+fn unified_embeddings_are_read_in_place() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut cpu = CpuNpu::new(CpuConfig {
+        threads: 2,
+        ..CpuConfig::default()
+    })
+    .expect("cpu");
+    let storage = Storage::Mx(ElemFormat::Int8);
+    let (mc, mg) = (load(&mut cpu, storage, 7), load(&mut gpu, storage, 7));
+    let uploads = uvm_alloc::CopyLedger::global().stage("gpu-splice-upload");
+    let skip = 3;
+    // 20 buffers: past the 16 imports the GPU keeps, so the oldest are evicted and re-imported.
+    let sources: Vec<_> = (0..20)
+        .map(|i| unified_rows(SPLICED.len(), skip, 100 + i))
+        .collect();
+    for round in 0..2 {
+        for (i, (buffer, values)) in sources.iter().enumerate() {
+            if round == 1 && i % 4 != 0 {
+                continue;
+            }
+            let host = npu_hal::EmbeddingData::Host(values);
+            let before = uploads.bytes();
+            let gpu_unified = run_spliced(&mut gpu, &mg, unified(buffer, skip), None);
+            assert_eq!(uploads.bytes(), before, "unified rows must not be uploaded");
+            let gpu_host = run_spliced(&mut gpu, &mg, host, None);
+            assert!(
+                uploads.bytes() > before,
+                "host rows are uploaded (and counted)"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&gpu_unified), bits(&gpu_host), "GPU, buffer {i}");
+            if round == 0 && i < 3 {
+                let cpu_unified = run_spliced(&mut cpu, &mc, unified(buffer, skip), None);
+                let cpu_host = run_spliced(&mut cpu, &mc, host, None);
+                assert_eq!(bits(&cpu_unified), bits(&cpu_host), "CPU, buffer {i}");
+                let (max, _) = errors(&gpu_unified, &cpu_unified);
+                assert!(max < 0.03, "GPU against CPU, buffer {i}: {max}");
+            }
+        }
+    }
+    // A source past its buffer's end is refused by name.
+    let (small, _) = unified_rows(SPLICED.len(), 0, 1);
+    let err = npu_hal::EmbeddingData::Unified {
+        buffer: &small,
+        offset: 8,
+        len: SPLICED.len() * HIDDEN,
+    }
+    .unified_bytes()
+    .unwrap_err();
+    assert!(err.to_string().contains("do not fit"), "{err}");
+}
+
+/// Another device's timeline, imported through an opaque fd, is waited on in this device's
+/// queue: the submission returns at once with no host wait, the work does not run before the
+/// value is signalled, and it completes after. Needs an adapter that exports timeline
+/// semaphores (not lavapipe in Mesa 22.3): `cargo xtask device-test` runs it where one does.
+#[test]
+#[ignore = "needs a Vulkan adapter that exports timeline semaphores (cargo xtask device-test)"]
+fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
+    let (Some(mut gpu), Some(other)) = (gpu(), gpu()) else {
+        panic!("no Vulkan adapter")
+    };
+    let storage = Storage::Mx(ElemFormat::Int8);
+    let model = load(&mut gpu, storage, 7);
+    let (buffer, values) = unified_rows(SPLICED.len(), 0, 9);
+    let want = run_spliced(
+        &mut gpu,
+        &model,
+        npu_hal::EmbeddingData::Host(&values),
+        None,
+    );
+    let upstream = other.timeline().expect("the GPU has a timeline");
+    assert!(
+        gpu.waits_in_queue(&*upstream),
+        "{}: the other device's timeline is not importable",
+        gpu.adapter()
+    );
+    let own = gpu.timeline().expect("timeline");
+    let before = gpu.stats();
+    let at = upstream.value().unwrap() + 1;
+    // The body waits for `at` in the queue and signals `own`; the host thread is not blocked.
+    let mut kv = kv_cache(PageDtype::F16);
+    let chunk = &chunks()[0];
+    let appended = kv.append(0, chunk).expect("append");
+    let own_next = own.value().unwrap() + 1;
+    gpu.submit(Submission {
+        ops: &model.body,
+        batch: Batch {
+            tokens: chunk,
+            first_pos: 0,
+            seq: 0,
+            slots: &appended.slots,
+            select: 0..0,
+            embeddings: Some(npu_hal::Embeddings {
+                rows: SPLICED,
+                data: unified(&buffer, 0),
+            }),
+        },
+        kv: Some(&mut kv),
+        attention: None,
+        wait: Some((&*upstream, at)),
+        signal: Some((&*own, own_next)),
+    })
+    .expect("submitted");
+    let after = gpu.stats();
+    assert_eq!(after.queue_waits, before.queue_waits + 1);
+    assert_eq!(
+        after.host_waits, before.host_waits,
+        "no host wait at submit"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(
+        own.value().unwrap() < own_next,
+        "the work ran before the value it waits for"
+    );
+    upstream.signal(at).unwrap();
+    own.wait(own_next, std::time::Duration::from_secs(10))
+        .expect("the work completes once the value is signalled");
+    let rows = LOGIT_ROWS;
+    gpu.submit(Submission {
+        ops: &model.head,
+        batch: Batch {
+            tokens: chunk,
+            first_pos: 0,
+            seq: 0,
+            slots: &appended.slots,
+            select: chunk.len() - rows..chunk.len(),
+            embeddings: None,
+        },
+        kv: None,
+        attention: None,
+        wait: None,
+        signal: None,
+    })
+    .expect("head");
+    let mut got = vec![0f32; rows * VOCAB];
+    gpu.read_tensor(model.logits, 0..rows, &mut got).unwrap();
+    assert_eq!(got, want, "the rows read after the wait are the buffer's");
+    let _ = writeln!(
+        std::io::stderr(),
+        "device-test detail: {} waited on another device's timeline in its queue",
+        gpu.adapter()
+    );
 }

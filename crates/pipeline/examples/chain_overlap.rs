@@ -63,11 +63,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .encode(&pixels, &embeddings)
             .map_err(|e| e.to_string())?;
         let t_enc = t.elapsed();
-        let guard = embeddings.cpu_access(0..rows * 4, uvm_alloc::Access::Read)?;
         let t = Instant::now();
+        let image = pipeline::chain::EncodedImage {
+            buffer: &embeddings,
+            len: rows,
+            ready: &pipeline::chain::Completion::Done,
+        };
         chain
             .decoder
-            .describe(guard.typed::<f32>()?, &mut |_| true)
+            .describe(image, &mut |_| true)
             .map_err(|e| e.to_string())?;
         let t_dec = t.elapsed();
         // The first frame warms caches and compiles pipelines: not counted.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use pipeline::chain::builder::{ChainSpec, build};
-use pipeline::chain::{DecoderStage, Generation, RunReport, StageError, percentile};
+use pipeline::chain::{DecoderStage, EncodedImage, Generation, RunReport, StageError, percentile};
 
 /// A decoder that describes nothing, at once.
 struct NullDecoder;
@@ -27,10 +27,14 @@ impl DecoderStage for NullDecoder {
 
     fn describe(
         &mut self,
-        _image: &[f32],
+        image: EncodedImage<'_>,
         _on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, StageError> {
-        Ok(Generation::default())
+        let ((), host_waited) = image.read(|_| ())?;
+        Ok(Generation {
+            host_waited,
+            ..Generation::default()
+        })
     }
 
     fn kv_utilisation(&self) -> f64 {

@@ -384,15 +384,36 @@ impl Pruning {
     }
 }
 
+/// How long a spliced forward waits on the host for the decoder's own previous submission
+/// (reached already in every path that reads logits back) before it calls the device lost.
+const SUBMIT_ORDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Input embeddings that replace a run of a sequence's rows (an image encoder's output, read in
 /// place from its unified buffer): rows `start..start + data.len() / hidden`.
 #[derive(Clone, Copy, Debug)]
 pub struct Splice<'a> {
     pub start: usize,
-    pub data: &'a [f32],
+    pub data: npu_hal::EmbeddingData<'a>,
     /// Names the embeddings for the prefix cache: the same key means the same rows, so a later
     /// sequence may reuse their K/V (an unchanged frame); a fresh key for each new image.
     pub key: u64,
+    /// When `data` is complete, if it is not yet (a unified buffer another engine is still
+    /// writing): the first submission that reads the rows waits for this value instead of the
+    /// decoder's own previous one, in the device's queue where the device can
+    /// ([`npu_hal::Device::waits_in_queue`]). `None`: complete already.
+    pub ready: Option<(&'a dyn Timeline, u64)>,
+}
+
+impl<'a> Splice<'a> {
+    /// Host rows, complete now.
+    pub fn host(start: usize, data: &'a [f32], key: u64) -> Splice<'a> {
+        Splice {
+            start,
+            data: npu_hal::EmbeddingData::Host(data),
+            key,
+            ready: None,
+        }
+    }
 }
 
 impl Splice<'_> {
@@ -934,6 +955,7 @@ impl Decoder {
             None => self.options.max_batch.max(1),
         };
         let ranks_by_attention = self.pruning.is_some_and(|p| p.policy != PrunePolicy::Sinks);
+        let mut ready = splice.and_then(|sp| sp.ready);
         while done < tokens.len() {
             let chunk_end = (done + max_batch).min(tokens.len());
             let chunk = &tokens[done..chunk_end];
@@ -951,12 +973,29 @@ impl Decoder {
                 let hi = end.min(chunk_end);
                 (lo < hi).then(|| npu_hal::Embeddings {
                     rows: lo - done..hi - done,
-                    data: &sp.data[(lo - sp.start) * hidden..(hi - sp.start) * hidden],
+                    data: sp
+                        .data
+                        .slice((lo - sp.start) * hidden..(hi - sp.start) * hidden)
+                        .expect("forward_spliced checked the rows"),
                 })
             });
             // The tick moves only when a submission is accepted, so a refused one never leaves
             // a value that nothing will signal.
             let timeline: &dyn Timeline = &*self.timeline;
+            // The first submission that reads spliced rows still being written waits for their
+            // writer instead. Its own previous value is reached already (every forward ends by
+            // reading logits back), so that wait would be empty; it is checked on the host to
+            // keep the order regardless.
+            let wait = match ready.filter(|_| embeddings.is_some()) {
+                Some(point) => {
+                    timeline
+                        .wait(self.tick, SUBMIT_ORDER_TIMEOUT)
+                        .map_err(npu_hal::Error::from)?;
+                    ready = None;
+                    point
+                }
+                None => (timeline, self.tick),
+            };
             self.device.submit(Submission {
                 ops: &self.body,
                 batch: Batch {
@@ -969,7 +1008,7 @@ impl Decoder {
                 },
                 kv: Some(&mut self.kv),
                 attention: ranks_by_attention.then_some(&mut self.attention),
-                wait: Some((timeline, self.tick)),
+                wait: Some(wait),
                 signal: Some((timeline, self.tick + 1)),
             })?;
             self.tick += 1;

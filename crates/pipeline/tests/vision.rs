@@ -176,11 +176,7 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
         decoder
             .forward_spliced(
                 &ids,
-                Some(pipeline::decoder::Splice {
-                    start: first,
-                    data: &image,
-                    key: 0,
-                }),
+                Some(pipeline::decoder::Splice::host(first, &image, 0)),
                 0..ids.len(),
                 |i, l| got[i * vocab..(i + 1) * vocab].copy_from_slice(l),
             )

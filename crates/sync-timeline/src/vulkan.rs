@@ -10,8 +10,15 @@
 //! and takes an `owner` (a `wgpu::Device` clone, say) that keeps the device alive as long as the
 //! timeline. [`VulkanTimeline::from_wgpu`] does this for a wgpu device on the Vulkan backend, so
 //! wgpu and raw Vulkan share one device.
+//!
+//! Another `VkDevice` on the same GPU (a second engine's own device, such as npu-hal's GPU
+//! backend) waits on a timeline in its queue through an opaque-fd export
+//! (`VK_KHR_external_semaphore_fd`): [`VulkanTimeline::export_opaque_fd`] on the signalling
+//! side, [`VulkanTimeline::import_opaque_fd`] on the waiting side; both semaphores then share
+//! one payload. [`VulkanTimeline::export_target`] names the devices that can import it.
 
 use std::any::Any;
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,7 +40,76 @@ pub struct VulkanTimeline {
     /// ([`VulkanTimeline::expect_device_signal`]): until the semaphore reaches it, a queue may
     /// still use the semaphore, so it is not destroyed.
     device_signals: AtomicU64,
+    /// Unique in this process, so a cache of imports never mistakes a new timeline for a
+    /// dropped one whose handle the driver reused.
+    id: u64,
+    /// Set when the semaphore was created exportable.
+    export: Option<Export>,
     owner: Arc<dyn Any + Send + Sync>,
+}
+
+/// Which devices can import a timeline's opaque fd: those whose `VkPhysicalDeviceIDProperties`
+/// carry the same device and driver UUIDs (the same GPU under the same driver build).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExportTarget {
+    pub device_uuid: [u8; 16],
+    pub driver_uuid: [u8; 16],
+}
+
+impl ExportTarget {
+    /// The UUIDs of `physical`.
+    pub fn of(instance: &ash::Instance, physical: vk::PhysicalDevice) -> ExportTarget {
+        let mut id = vk::PhysicalDeviceIDProperties::default();
+        let mut props = vk::PhysicalDeviceProperties2::default().push_next(&mut id);
+        // SAFETY: a physical device of this (Vulkan 1.1+) instance; the chain is built above.
+        unsafe { instance.get_physical_device_properties2(physical, &mut props) };
+        ExportTarget {
+            device_uuid: id.device_uuid,
+            driver_uuid: id.driver_uuid,
+        }
+    }
+}
+
+struct Export {
+    target: ExportTarget,
+    fd: ash::khr::external_semaphore_fd::Device,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Whether timelines made by [`VulkanTimeline::from_wgpu`] on a device of `adapter` (opened
+/// with `VK_KHR_external_semaphore_fd`, as uvm-alloc's `open_wgpu_device` does) can be waited
+/// on by another device of the same GPU. Feature `wgpu`.
+#[cfg(feature = "wgpu")]
+pub fn adapter_exports_timelines(adapter: &wgpu::Adapter) -> bool {
+    // SAFETY: the hal adapter is only borrowed for these queries.
+    let Some(hal) = (unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }) else {
+        return false;
+    };
+    hal.physical_device_capabilities()
+        .supports_extension(ash::khr::external_semaphore_fd::NAME)
+        && exports_timelines(
+            hal.shared_instance().raw_instance(),
+            hal.raw_physical_device(),
+        )
+}
+
+/// Whether `physical` can export timeline semaphores as opaque fds and import them back.
+pub fn exports_timelines(instance: &ash::Instance, physical: vk::PhysicalDevice) -> bool {
+    let mut type_info =
+        vk::SemaphoreTypeCreateInfo::default().semaphore_type(vk::SemaphoreType::TIMELINE);
+    let info = vk::PhysicalDeviceExternalSemaphoreInfo::default()
+        .handle_type(vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD)
+        .push_next(&mut type_info);
+    let mut props = vk::ExternalSemaphoreProperties::default();
+    // SAFETY: a physical device of this instance; the chain is built above.
+    unsafe {
+        instance.get_physical_device_external_semaphore_properties(physical, &info, &mut props)
+    };
+    props.external_semaphore_features.contains(
+        vk::ExternalSemaphoreFeatureFlags::EXPORTABLE
+            | vk::ExternalSemaphoreFeatureFlags::IMPORTABLE,
+    )
 }
 
 /// How long dropping a timeline waits for registered device signals before it leaks the
@@ -69,12 +145,88 @@ impl VulkanTimeline {
         owner: Arc<dyn Any + Send + Sync>,
         initial: u64,
     ) -> Result<VulkanTimeline, Error> {
+        // SAFETY: the caller's contract is `create`'s, with no export.
+        unsafe { VulkanTimeline::create(device, owner, initial, None) }
+    }
+
+    /// Creates a timeline at `initial` on `device` whose semaphore another device of the same
+    /// GPU can wait on in its queue ([`VulkanTimeline::export_opaque_fd`]).
+    /// [`Error::Unsupported`] where `physical` cannot export timeline semaphores.
+    ///
+    /// # Safety
+    /// As [`VulkanTimeline::new`]; also, `device` was created from `physical` of `instance`
+    /// with `VK_KHR_external_semaphore_fd` enabled.
+    pub unsafe fn new_exportable(
+        instance: &ash::Instance,
+        physical: vk::PhysicalDevice,
+        device: ash::Device,
+        owner: Arc<dyn Any + Send + Sync>,
+        initial: u64,
+    ) -> Result<VulkanTimeline, Error> {
+        if !exports_timelines(instance, physical) {
+            return Err(Error::Unsupported {
+                what: "exportable Vulkan timelines",
+                why: "the driver cannot export timeline semaphores as opaque fds".into(),
+            });
+        }
+        let export = Export {
+            target: ExportTarget::of(instance, physical),
+            fd: ash::khr::external_semaphore_fd::Device::new(instance, &device),
+        };
+        // SAFETY: the caller's contract; the driver exports timelines (checked above).
+        unsafe { VulkanTimeline::create(device, owner, initial, Some(export)) }
+    }
+
+    /// A timeline on `device` sharing the payload of a semaphore another device exported
+    /// (`fd`, from [`VulkanTimeline::export_opaque_fd`]): waits in this device's queue then
+    /// follow the other device's signals. Vulkan owns `fd` once the import succeeds.
+    ///
+    /// # Safety
+    /// As [`VulkanTimeline::new`]; also, `device` has `VK_KHR_external_semaphore_fd` enabled
+    /// and its physical device has the exporter's [`ExportTarget`].
+    pub unsafe fn import_opaque_fd(
+        instance: &ash::Instance,
+        device: ash::Device,
+        owner: Arc<dyn Any + Send + Sync>,
+        fd: OwnedFd,
+    ) -> Result<VulkanTimeline, Error> {
+        // SAFETY: the caller's contract; the value is replaced by the imported payload.
+        let timeline = unsafe { VulkanTimeline::create(device, owner, 0, None) }?;
+        let ext = ash::khr::external_semaphore_fd::Device::new(instance, &timeline.device);
+        let raw_fd = fd.into_raw_fd();
+        let info = vk::ImportSemaphoreFdInfoKHR::default()
+            .semaphore(timeline.semaphore)
+            .handle_type(vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD)
+            .fd(raw_fd);
+        // SAFETY: a semaphore of this device, not in use yet; `raw_fd` is an opaque semaphore
+        // fd (the caller's contract), owned by Vulkan on success.
+        if let Err(e) = unsafe { ext.import_semaphore_fd(&info) } {
+            // SAFETY: on failure Vulkan did not take the fd; it is still ours to close.
+            drop(unsafe { OwnedFd::from_raw_fd(raw_fd) });
+            return Err(vk_err("vkImportSemaphoreFdKHR")(e));
+        }
+        Ok(timeline)
+    }
+
+    /// # Safety
+    /// As [`VulkanTimeline::new`]; with `export`, as [`VulkanTimeline::new_exportable`].
+    unsafe fn create(
+        device: ash::Device,
+        owner: Arc<dyn Any + Send + Sync>,
+        initial: u64,
+        export: Option<Export>,
+    ) -> Result<VulkanTimeline, Error> {
         let mut type_info = vk::SemaphoreTypeCreateInfo::default()
             .semaphore_type(vk::SemaphoreType::TIMELINE)
             .initial_value(initial);
-        let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
-        // SAFETY: the caller guarantees `device` is valid with timeline semaphores enabled; the
-        // create info is a valid chain built above.
+        let mut export_info = vk::ExportSemaphoreCreateInfo::default()
+            .handle_types(vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD);
+        let mut info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
+        if export.is_some() {
+            info = info.push_next(&mut export_info);
+        }
+        // SAFETY: the caller guarantees `device` is valid with timeline semaphores enabled (and
+        // the export extension when exporting); the create info is a valid chain built above.
         let semaphore =
             unsafe { device.create_semaphore(&info, None) }.map_err(vk_err("vkCreateSemaphore"))?;
         Ok(VulkanTimeline {
@@ -82,26 +234,75 @@ impl VulkanTimeline {
             semaphore,
             host_signal: Mutex::new(()),
             device_signals: AtomicU64::new(0),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            export,
             owner,
         })
     }
 
+    /// This timeline's id, unique in the process.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The devices that can import this timeline, when it was created exportable.
+    pub fn export_target(&self) -> Option<ExportTarget> {
+        self.export.as_ref().map(|e| e.target)
+    }
+
+    /// A new opaque fd referring to this timeline's payload, for
+    /// [`VulkanTimeline::import_opaque_fd`] on another device with the same
+    /// [`ExportTarget`]. [`Error::Unsupported`] when the timeline is not exportable.
+    pub fn export_opaque_fd(&self) -> Result<OwnedFd, Error> {
+        let Some(export) = &self.export else {
+            return Err(Error::Unsupported {
+                what: "exporting a Vulkan timeline",
+                why: "it was not created exportable (VulkanTimeline::new_exportable)".into(),
+            });
+        };
+        let info = vk::SemaphoreGetFdInfoKHR::default()
+            .semaphore(self.semaphore)
+            .handle_type(vk::ExternalSemaphoreHandleTypeFlags::OPAQUE_FD);
+        // SAFETY: an exportable semaphore of this device (created with the opaque-fd type).
+        let fd =
+            unsafe { export.fd.get_semaphore_fd(&info) }.map_err(vk_err("vkGetSemaphoreFdKHR"))?;
+        // SAFETY: the driver returned a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
     /// A timeline on the Vulkan device under `device` (which must run on wgpu's Vulkan backend).
-    /// Feature `wgpu`.
+    /// Feature `wgpu`. It is exportable where the device has `VK_KHR_external_semaphore_fd`
+    /// enabled (uvm-alloc's `open_wgpu_device` enables it) and the driver exports timelines.
     /// The timeline keeps a clone of `device`, so the `VkDevice` outlives it.
     #[cfg(feature = "wgpu")]
     pub fn from_wgpu(device: &wgpu::Device, initial: u64) -> Result<VulkanTimeline, Error> {
         // SAFETY: `as_hal` only borrows the hal device; we clone the ash function table, whose
         // handle stays valid while a clone of the wgpu device (stored as `owner`) is alive.
-        let raw = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }
-            .map(|hal| hal.raw_device().clone())
-            .ok_or_else(|| Error::Unsupported {
+        let hal = unsafe { device.as_hal::<wgpu::hal::api::Vulkan>() }.ok_or_else(|| {
+            Error::Unsupported {
                 what: "Vulkan timeline on a wgpu device",
                 why: "the device does not run on wgpu's Vulkan backend".into(),
-            })?;
+            }
+        })?;
+        let raw = hal.raw_device().clone();
+        let instance = hal.shared_instance().raw_instance().clone();
+        let physical = hal.raw_physical_device();
+        let exportable = hal
+            .enabled_device_extensions()
+            .contains(&ash::khr::external_semaphore_fd::NAME)
+            && exports_timelines(&instance, physical);
+        drop(hal);
+        let owner: Arc<dyn Any + Send + Sync> = Arc::new(device.clone());
+        if exportable {
+            // SAFETY: as below; the export extension is enabled on the device (checked above)
+            // and the handles come from one live wgpu device.
+            return unsafe {
+                VulkanTimeline::new_exportable(&instance, physical, raw, owner, initial)
+            };
+        }
         // SAFETY: wgpu-hal enables timeline semaphores on every Vulkan device it creates (it
         // uses them for its own fences); the owner below keeps the device alive.
-        unsafe { VulkanTimeline::new(raw, Arc::new(device.clone()), initial) }
+        unsafe { VulkanTimeline::new(raw, owner, initial) }
     }
 
     /// The raw semaphore, for submissions made elsewhere (an `unsafe` Vulkan call): register

@@ -198,6 +198,12 @@ pub(crate) struct Context {
     pub(crate) max_workgroups: [u32; 3],
     pub(crate) max_shared_bytes: u32,
     pub(crate) max_storage_range: u32,
+    /// Which unified buffers the device imports (extensions enabled at creation).
+    pub(crate) imports: uvm_alloc::vulkan::ImportCaps,
+    /// Whether it imports other devices' timeline semaphores (opaque fds).
+    pub(crate) imports_timelines: bool,
+    /// The GPU and driver, as exporters of timelines name the devices that can import them.
+    pub(crate) export_target: sync_timeline::vulkan::ExportTarget,
     // Last: the instance outlives the device (destroyed in `Drop` below).
     pub(crate) instance: Instance,
 }
@@ -225,20 +231,43 @@ impl Context {
             .queue_family_index(queue_family)
             .queue_priorities(&priorities)];
         let mut v12 = vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(true);
+        // What another engine's buffers and timelines need: external memory (an encoder's
+        // output read in place) and external semaphores (waits on its timeline in the queue).
+        // SAFETY: a physical device of this instance.
+        let offered = unsafe { instance.instance.enumerate_device_extension_properties(pd) }
+            .map_err(vk_err("vkEnumerateDeviceExtensionProperties"))?;
+        let extensions: Vec<&'static CStr> = uvm_alloc::vulkan::IMPORT_EXTENSIONS
+            .into_iter()
+            .chain([ash::khr::external_semaphore_fd::NAME])
+            .filter(|want| {
+                offered
+                    .iter()
+                    .any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == *want))
+            })
+            .collect();
+        let extension_ptrs: Vec<*const std::ffi::c_char> =
+            extensions.iter().map(|e| e.as_ptr()).collect();
         let info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queues)
+            .enabled_extension_names(&extension_ptrs)
             .push_next(&mut v12);
         // SAFETY: a physical device of this instance, a valid create info asking for one queue
-        // of a family it has and a feature `Instance::unusable` checked.
+        // of a family it has, a feature `Instance::unusable` checked and extensions it offers.
         let device = unsafe { instance.instance.create_device(pd, &info, None) }
             .map_err(vk_err("vkCreateDevice"))?;
         // SAFETY: a physical device of this instance.
         let memory = unsafe { instance.instance.get_physical_device_memory_properties(pd) };
         // SAFETY: as above.
         let props = unsafe { instance.instance.get_physical_device_properties(pd) };
+        let imports = uvm_alloc::vulkan::ImportCaps::query(&instance.instance, pd, &extensions);
+        let imports_timelines = extensions.contains(&ash::khr::external_semaphore_fd::NAME)
+            && sync_timeline::vulkan::exports_timelines(&instance.instance, pd);
         let mut ctx = Context {
             device,
             physical: pd,
+            imports,
+            imports_timelines,
+            export_target: sync_timeline::vulkan::ExportTarget::of(&instance.instance, pd),
             queue_family,
             adapter,
             memory,

@@ -51,11 +51,12 @@ use sync_timeline::vulkan::VulkanTimeline;
 
 use self::gpu::{Context, GpuBuffer, Instance, Memory, PUSH_BYTES, vk_err};
 use self::shaders::{Kernel, KvFormat, LinearInput, Pipelines, WeightFormat};
-use crate::Error;
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
     TensorId, Weight, WeightId, check_op, check_rows,
 };
+use crate::{EmbeddingData, Error};
+use uvm_alloc::UnifiedBuffer;
 
 /// Which Vulkan adapter [`VulkanBackend`] opens.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -246,13 +247,39 @@ struct Program {
     blocks: usize,
     /// Spliced embedding rows (the Embed op's `Batch::embeddings`), host-written.
     splice: Option<(GpuBuffer, usize)>,
+    /// The embedding dispatch (its index and the buffers it binds), which binds an imported
+    /// buffer instead of `splice` when the rows are read in place.
+    embed: Option<(usize, Kernel, [vk::Buffer; 5])>,
+    /// Descriptor sets of the embedding dispatch over each imported buffer (by import id),
+    /// from `splice_pool` (made on first use).
+    splice_sets: Vec<(u32, vk::DescriptorSet)>,
+    splice_pool: vk::DescriptorPool,
     pool: vk::DescriptorPool,
     dispatches: Vec<Dispatch>,
-    /// Command buffers by (tokens, selected rows), each rounded up to a power of two.
-    recorded: HashMap<(usize, usize), Recorded>,
+    /// Command buffers by (tokens, selected rows, splice source), the first two rounded up to
+    /// a power of two; the source is 0 for the upload buffer, else an import id.
+    recorded: HashMap<RecordKey, Recorded>,
     /// The completion value of its last submission: the step buffer is rewritten only after it.
     last: u64,
 }
+
+type RecordKey = (usize, usize, u32);
+
+/// A unified buffer imported into the device so the embedding kernel reads it in place.
+#[derive(Debug)]
+struct SpliceImport {
+    /// Never reused, so a recording keyed by it cannot outlive it unnoticed.
+    id: u32,
+    /// The `Arc<UnifiedBuffer>` it came from (kept alive by `raw`, so the address is not
+    /// reused while the import exists).
+    key: usize,
+    raw: uvm_alloc::vulkan::RawImport,
+}
+
+/// Imports held at once: a chain cycles through its ring's few slots (depth + 1).
+const MAX_SPLICE_IMPORTS: usize = 16;
+/// Other devices' timelines held at once.
+const MAX_FOREIGN_TIMELINES: usize = 8;
 
 #[derive(Debug)]
 struct Recorded {
@@ -293,6 +320,7 @@ struct Pending {
 struct Counters {
     submissions: AtomicU64,
     host_waits: AtomicU64,
+    queue_waits: AtomicU64,
     submit_ns: AtomicU64,
     readback_ns: AtomicU64,
     device_ns: AtomicU64,
@@ -329,6 +357,12 @@ pub struct VulkanNpu {
     counters: Counters,
     wait_timeout: Duration,
     readback_ledger: Arc<uvm_alloc::StageCopies>,
+    /// Unified buffers read in place by the embedding kernel, oldest first.
+    splice_imports: Vec<SpliceImport>,
+    next_import: u32,
+    /// Other devices' timelines imported to be waited on in the queue (by their
+    /// [`VulkanTimeline::id`]), oldest first.
+    foreign_timelines: Vec<(u64, VulkanTimeline)>,
     /// Private: every submission signals it, in order.
     completion: VulkanTimeline,
     /// Handed out by [`Device::timeline`]; moved only by submissions that signal it.
@@ -382,8 +416,24 @@ impl VulkanNpu {
         // every submission that signals either timeline registers the value first (`submit_raw`),
         // and `Drop` waits for the queue to be idle before the timelines go.
         let completion = unsafe { VulkanTimeline::new(ctx.device.clone(), owner.clone(), 0) }?;
-        // SAFETY: as above.
-        let public = Arc::new(unsafe { VulkanTimeline::new(ctx.device.clone(), owner, 0) }?);
+        // Exportable where the driver allows, so another device (a second engine on this GPU)
+        // can wait on the decoder's values in its own queue.
+        let public = Arc::new(if ctx.imports_timelines {
+            // SAFETY: as above; the device has VK_KHR_external_semaphore_fd enabled
+            // (`imports_timelines`) and was created from this physical device and instance.
+            unsafe {
+                VulkanTimeline::new_exportable(
+                    &ctx.instance.instance,
+                    ctx.physical,
+                    ctx.device.clone(),
+                    owner,
+                    0,
+                )
+            }?
+        } else {
+            // SAFETY: as above.
+            unsafe { VulkanTimeline::new(ctx.device.clone(), owner, 0) }?
+        });
         let pool_info = vk::CommandPoolCreateInfo::default()
             .queue_family_index(ctx.queue_family)
             .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
@@ -433,6 +483,9 @@ impl VulkanNpu {
             counters: Counters::default(),
             wait_timeout: config.wait_timeout,
             readback_ledger: uvm_alloc::CopyLedger::global().stage("gpu-readback"),
+            splice_imports: Vec::new(),
+            next_import: 0,
+            foreign_timelines: Vec::new(),
             completion,
             public,
             ctx,
@@ -810,6 +863,9 @@ impl VulkanNpu {
             rows,
             blocks,
             splice: None,
+            embed: None,
+            splice_sets: Vec::new(),
+            splice_pool: vk::DescriptorPool::null(),
             pool: vk::DescriptorPool::null(),
             dispatches: Vec::new(),
             recorded: HashMap::new(),
@@ -1080,6 +1136,7 @@ impl VulkanNpu {
                 let kernel = Kernel::Embed { format: *format };
                 let push = push_words(&[tw(self, out), *rows as u32]);
                 let bufs = [step, codes.raw, scales.raw, splice, t(self, out)];
+                p.embed = Some((p.dispatches.len(), kernel, bufs));
                 self.push_dispatch(
                     p,
                     kernel,
@@ -1355,7 +1412,7 @@ impl VulkanNpu {
         reads: Vec<Resource>,
         writes: Vec<Resource>,
     ) -> Result<(), Error> {
-        let set = self.descriptor_set(p, kernel, buffers)?;
+        let set = self.descriptor_set(p.pool, kernel, buffers)?;
         p.dispatches.push(Dispatch {
             kernel,
             grid,
@@ -1369,7 +1426,7 @@ impl VulkanNpu {
 
     fn descriptor_set(
         &mut self,
-        p: &Program,
+        pool: vk::DescriptorPool,
         kernel: Kernel,
         buffers: &[vk::Buffer],
     ) -> Result<vk::DescriptorSet, Error> {
@@ -1377,9 +1434,10 @@ impl VulkanNpu {
         let (set_layout, _) = self.pipelines.layouts(&self.ctx, kernel.bindings())?;
         let layouts = [set_layout];
         let alloc = vk::DescriptorSetAllocateInfo::default()
-            .descriptor_pool(p.pool)
+            .descriptor_pool(pool)
             .set_layouts(&layouts);
-        // SAFETY: the pool (sized for two sets per op) and layout are live objects of this device.
+        // SAFETY: the pool (a program's: sized for two sets per op; or its splice pool, sized
+        // for every import) and layout are live objects of this device.
         let set = unsafe { self.ctx.device.allocate_descriptor_sets(&alloc) }
             .map_err(vk_err("vkAllocateDescriptorSets"))?[0];
         let infos: Vec<[vk::DescriptorBufferInfo; 1]> = buffers
@@ -1409,7 +1467,7 @@ impl VulkanNpu {
     }
 
     /// Records program `pi` for `shape` = (token bucket, selected-row bucket).
-    fn record(&mut self, pi: usize, shape: (usize, usize)) -> Result<Recorded, Error> {
+    fn record(&mut self, pi: usize, shape: RecordKey) -> Result<Recorded, Error> {
         let alloc = vk::CommandBufferAllocateInfo::default()
             .command_pool(self.program_pool)
             .level(vk::CommandBufferLevel::PRIMARY)
@@ -1455,9 +1513,22 @@ impl VulkanNpu {
     fn record_into(
         &mut self,
         pi: usize,
-        (tokens, selected): (usize, usize),
+        (tokens, selected, splice): RecordKey,
         r: &Recorded,
     ) -> Result<(), Error> {
+        // The embedding dispatch binds the imported buffer its rows are read from.
+        let splice_set = match (splice, self.programs[pi].embed) {
+            (0, _) | (_, None) => None,
+            (id, Some((at, ..))) => {
+                let set = self.programs[pi]
+                    .splice_sets
+                    .iter()
+                    .find(|(i, _)| *i == id)
+                    .map(|&(_, set)| set)
+                    .expect("splice_import made the set before recording");
+                Some((at, set))
+            }
+        };
         let d = self.ctx.device.clone();
         let cb = r.commands;
         let begin = vk::CommandBufferBeginInfo::default();
@@ -1484,7 +1555,9 @@ impl VulkanNpu {
                 (
                     x.kernel,
                     x.grid,
-                    x.set,
+                    splice_set
+                        .filter(|&(at, _)| at == i)
+                        .map_or(x.set, |(_, set)| set),
                     x.push,
                     x.reads.clone(),
                     x.writes.clone(),
@@ -1585,9 +1658,11 @@ impl VulkanNpu {
         for (_, r) in p.recorded {
             self.destroy_recorded(r);
         }
-        if p.pool != vk::DescriptorPool::null() {
-            // SAFETY: no pending submission uses the program (callers wait first).
-            unsafe { self.ctx.device.destroy_descriptor_pool(p.pool, None) };
+        for pool in [p.pool, p.splice_pool] {
+            if pool != vk::DescriptorPool::null() {
+                // SAFETY: no pending submission uses the program (callers wait first).
+                unsafe { self.ctx.device.destroy_descriptor_pool(pool, None) };
+            }
         }
         self.ctx.destroy(p.step);
         if let Some((b, _)) = p.splice {
@@ -1596,7 +1671,14 @@ impl VulkanNpu {
     }
 
     /// Writes the step values of `batch` (and its spliced rows) into program `pi`'s buffers.
-    fn write_step(&mut self, pi: usize, b: &Batch<'_>, kv: Option<&KvCache>) -> Result<(), Error> {
+    /// `splice_at` is where a unified source's rows start in its import, in f32 values.
+    fn write_step(
+        &mut self,
+        pi: usize,
+        b: &Batch<'_>,
+        kv: Option<&KvCache>,
+        splice_at: u32,
+    ) -> Result<(), Error> {
         let VulkanNpu {
             programs,
             step_words: words,
@@ -1621,13 +1703,16 @@ impl VulkanNpu {
                     what: "spliced embeddings for a program with no embedding op".into(),
                 });
             };
-            // `check_op` proved the rows lie in the batch and the data fits them.
-            buffer.write(0, bytemuck::cast_slice(e.data))?;
             debug_assert_eq!(e.data.len(), e.rows.len() * *width);
-            // A CPU copy into the upload buffer: counted, so the ledger stays honest.
-            uvm_alloc::CopyLedger::global()
-                .stage("gpu-splice-upload")
-                .record(std::mem::size_of_val(e.data));
+            // `check_op` proved the rows lie in the batch and the data fits them. Unified
+            // rows are read in place, through the import `splice_import` made.
+            if let EmbeddingData::Host(data) = e.data {
+                buffer.write(0, bytemuck::cast_slice(data))?;
+                // A CPU copy into the upload buffer: counted, so the ledger stays honest.
+                uvm_alloc::CopyLedger::global()
+                    .stage("gpu-splice-upload")
+                    .record(std::mem::size_of_val(data));
+            }
             (splice_start, splice_end) = (e.rows.start as u32, e.rows.end as u32);
         }
         words.clear();
@@ -1644,6 +1729,7 @@ impl VulkanNpu {
         words[6] = tokens_at as u32;
         words[7] = slots_at as u32;
         words[8] = table_at as u32;
+        words[9] = splice_at;
         words.extend_from_slice(b.tokens);
         words.resize(slots_at, 0);
         // Only a program with attention reads slots and the block table.
@@ -2179,6 +2265,10 @@ impl Device for VulkanNpu {
         Some(self.public.clone())
     }
 
+    fn waits_in_queue(&self, timeline: &dyn Timeline) -> bool {
+        same_device(timeline, self.ctx.device.handle()).is_some() || self.can_import(timeline)
+    }
+
     fn profile(&self) -> Vec<crate::KernelTime> {
         let times = self.kernel_times.lock().unwrap_or_else(|p| p.into_inner());
         let mut out: Vec<crate::KernelTime> = times
@@ -2199,6 +2289,7 @@ impl Device for VulkanNpu {
         DeviceStats {
             submissions: c.submissions.load(Ordering::Relaxed),
             host_waits: c.host_waits.load(Ordering::Relaxed),
+            queue_waits: c.queue_waits.load(Ordering::Relaxed),
             submit_time: ns(&c.submit_ns),
             readback_time: ns(&c.readback_ns),
             device_time: self.timestamps.then(|| ns(&c.device_ns)),
@@ -2358,23 +2449,42 @@ impl VulkanNpu {
         // timestamps are read before it runs again).
         self.wait_done(self.programs[pi].last)?;
         self.collect_times()?;
-        self.write_step(pi, &batch, kv)?;
+        // Rows another engine wrote into a unified buffer are read where they are.
+        let (splice, splice_at) = match batch.embeddings.as_ref().map(|e| e.data) {
+            Some(EmbeddingData::Unified { buffer, offset, .. }) => {
+                let at = u32::try_from(offset / 4).map_err(|_| Error::Limit {
+                    what: "unified embedding offsets",
+                })?;
+                (self.splice_import(pi, buffer)?, at)
+            }
+            _ => (0, 0),
+        };
+        self.write_step(pi, &batch, kv, splice_at)?;
         let shape = (
             batch.tokens.len().next_power_of_two(),
             batch.select.len().next_power_of_two(),
+            splice,
         );
         if !self.programs[pi].recorded.contains_key(&shape) {
             let r = self.record(pi, shape)?;
             self.programs[pi].recorded.insert(shape, r);
         }
-        // Same-device Vulkan timelines are waited on and signalled in the queue; anything else
-        // from the host.
+        // Vulkan timelines of this device, or of another device of this GPU that exports them,
+        // are waited on in the queue; anything else from the host.
         let device = self.ctx.device.handle();
+        let foreign = match wait {
+            Some((t, _)) if same_device(t, device).is_none() => self.importable(t)?,
+            _ => None,
+        };
         let mut waits: Vec<(&VulkanTimeline, u64)> = Vec::new();
         if let Some((t, v)) = wait {
-            match same_device(t, device) {
-                Some(vt) => waits.push((vt, v)),
-                None => {
+            match (same_device(t, device), foreign) {
+                (Some(vt), _) => waits.push((vt, v)),
+                (None, Some(i)) => {
+                    waits.push((&self.foreign_timelines[i].1, v));
+                    self.counters.queue_waits.fetch_add(1, Ordering::Relaxed);
+                }
+                (None, None) => {
                     if t.value()? < v {
                         self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
                     }
@@ -2423,6 +2533,157 @@ impl VulkanNpu {
     }
 }
 
+impl VulkanNpu {
+    /// The import of `buffer` (made now if new) and its embedding descriptor set in program
+    /// `pi` (made now if new); returns the import's id.
+    fn splice_import(&mut self, pi: usize, buffer: &Arc<UnifiedBuffer>) -> Result<u32, Error> {
+        let key = Arc::as_ptr(buffer) as usize;
+        let id = match self.splice_imports.iter().find(|i| i.key == key) {
+            Some(i) => i.id,
+            None => {
+                if self.splice_imports.len() == MAX_SPLICE_IMPORTS {
+                    self.evict_splice_import()?;
+                }
+                let ctx = &self.ctx;
+                // SAFETY: instance, physical device and device are the context's, live while
+                // the import is (it is destroyed before the context, after the queue is idle);
+                // the device only reads the memory (the embedding kernel), which races no
+                // reference the CPU holds.
+                let raw = unsafe {
+                    uvm_alloc::vulkan::import_raw(
+                        &ctx.instance.instance,
+                        &ctx.device,
+                        ctx.physical,
+                        &ctx.imports,
+                        Arc::clone(buffer),
+                    )
+                }
+                .map_err(|e| Error::Unsupported {
+                    what: "reading another engine's embeddings in place",
+                    why: format!("{e} (on {})", ctx.adapter.name),
+                })?;
+                self.next_import += 1;
+                let id = self.next_import;
+                self.splice_imports.push(SpliceImport { id, key, raw });
+                id
+            }
+        };
+        if self.programs[pi].splice_sets.iter().any(|(i, _)| *i == id) {
+            return Ok(id);
+        }
+        let Some((_, kernel, mut buffers)) = self.programs[pi].embed else {
+            return Err(Error::BadOp {
+                op: 0,
+                what: "spliced embeddings for a program with no embedding op".into(),
+            });
+        };
+        if self.programs[pi].splice_pool == vk::DescriptorPool::null() {
+            let sets = MAX_SPLICE_IMPORTS as u32;
+            let sizes = [vk::DescriptorPoolSize::default()
+                .ty(vk::DescriptorType::STORAGE_BUFFER)
+                .descriptor_count(sets * buffers.len() as u32)];
+            let info = vk::DescriptorPoolCreateInfo::default()
+                .flags(vk::DescriptorPoolCreateFlags::FREE_DESCRIPTOR_SET)
+                .max_sets(sets)
+                .pool_sizes(&sizes);
+            // SAFETY: a valid create info on a live device.
+            self.programs[pi].splice_pool =
+                unsafe { self.ctx.device.create_descriptor_pool(&info, None) }
+                    .map_err(vk_err("vkCreateDescriptorPool"))?;
+        }
+        buffers[3] = self
+            .splice_imports
+            .iter()
+            .find(|i| i.id == id)
+            .map(|i| i.raw.buffer)
+            .expect("imported above");
+        let set = self.descriptor_set(self.programs[pi].splice_pool, kernel, &buffers)?;
+        self.programs[pi].splice_sets.push((id, set));
+        Ok(id)
+    }
+
+    /// Drops the oldest splice import, with every recording and descriptor set that uses it,
+    /// once the queue is idle.
+    fn evict_splice_import(&mut self) -> Result<(), Error> {
+        self.wait_all()?;
+        let old = self.splice_imports.remove(0);
+        let mut stale = Vec::new();
+        for p in &mut self.programs {
+            let keys: Vec<RecordKey> = p
+                .recorded
+                .keys()
+                .filter(|k| k.2 == old.id)
+                .copied()
+                .collect();
+            stale.extend(keys.into_iter().filter_map(|k| p.recorded.remove(&k)));
+            if let Some(at) = p.splice_sets.iter().position(|(i, _)| *i == old.id) {
+                let (_, set) = p.splice_sets.remove(at);
+                // SAFETY: the set is from this pool (made with FREE_DESCRIPTOR_SET) and no
+                // pending work uses it (the queue is idle).
+                unsafe { self.ctx.device.free_descriptor_sets(p.splice_pool, &[set]) }
+                    .map_err(vk_err("vkFreeDescriptorSets"))?;
+            }
+        }
+        for r in stale {
+            self.destroy_recorded(r);
+        }
+        // SAFETY: the import was made on this device and the queue is idle.
+        unsafe { old.raw.destroy(&self.ctx.device) };
+        Ok(())
+    }
+
+    /// Whether `t` is a Vulkan timeline of another device on this GPU and driver, exported
+    /// as an opaque fd this device can import.
+    fn can_import(&self, t: &dyn Timeline) -> bool {
+        match t.backend() {
+            sync_timeline::Backend::Vulkan(vt) => {
+                self.ctx.imports_timelines && vt.export_target() == Some(self.ctx.export_target)
+            }
+            _ => false,
+        }
+    }
+
+    /// Where `t` is a Vulkan timeline of another device on this GPU that exports its
+    /// semaphore, its import into this device (made now if new) as an index into
+    /// `foreign_timelines`; `None` when it must be waited on from the host.
+    fn importable(&mut self, t: &dyn Timeline) -> Result<Option<usize>, Error> {
+        let sync_timeline::Backend::Vulkan(vt) = t.backend() else {
+            return Ok(None);
+        };
+        if !self.can_import(t) {
+            return Ok(None);
+        }
+        if let Some(i) = self
+            .foreign_timelines
+            .iter()
+            .position(|(id, _)| *id == vt.id())
+        {
+            return Ok(Some(i));
+        }
+        if self.foreign_timelines.len() == MAX_FOREIGN_TIMELINES {
+            // Nothing pending may still wait on the one dropped.
+            self.wait_all()?;
+            self.foreign_timelines.remove(0);
+        }
+        let fd = vt.export_opaque_fd()?;
+        let owner: Arc<dyn std::any::Any + Send + Sync> = self.ctx.clone();
+        // SAFETY: the device has VK_KHR_external_semaphore_fd enabled (`imports_timelines`) and
+        // the exporter's GPU and driver (checked above); `owner` keeps the device alive; the
+        // import only ever waits in this device's queue, and `Drop` (and the eviction above)
+        // wait for the queue to be idle before it goes.
+        let imported = unsafe {
+            VulkanTimeline::import_opaque_fd(
+                &self.ctx.instance.instance,
+                self.ctx.device.clone(),
+                owner,
+                fd,
+            )
+        }?;
+        self.foreign_timelines.push((vt.id(), imported));
+        Ok(Some(self.foreign_timelines.len() - 1))
+    }
+}
+
 impl Drop for VulkanNpu {
     fn drop(&mut self) {
         // Nothing may be destroyed under the queue: wait for it (a lost device leaks rather than
@@ -2433,6 +2694,10 @@ impl Drop for VulkanNpu {
         }
         for p in std::mem::take(&mut self.programs) {
             self.destroy_program(p);
+        }
+        for i in std::mem::take(&mut self.splice_imports) {
+            // SAFETY: made on this device; the queue is idle.
+            unsafe { i.raw.destroy(&self.ctx.device) };
         }
         self.pipelines.destroy(&self.ctx);
         for w in std::mem::take(&mut self.weights) {

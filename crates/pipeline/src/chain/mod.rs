@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use isp_v4l2::{Frame, FrameSource};
-use uvm_alloc::{Access, Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
+use uvm_alloc::{Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
 
 use sync_timeline::ring::{self, Ended};
 use sync_timeline::{CpuTimeline, Timeline};
@@ -55,8 +55,9 @@ use sync_timeline::{CpuTimeline, Timeline};
 type Producer<T> = ring::Producer<T, Arc<UnifiedBuffer>>;
 type Consumer<T> = ring::Consumer<T, Arc<UnifiedBuffer>>;
 pub use stages::{
-    Completion, CpuEncoder, CpuIsp, DecoderStage, EncoderStage, GPU_TIMEOUT, Generation,
-    GpuContext, GpuEncoder, GpuIsp, GpuSpan, IspStage, NpuDecoder, PromptLayout, StageError,
+    Completion, CpuEncoder, CpuIsp, DecoderStage, EncodedImage, EncoderStage, GPU_TIMEOUT,
+    Generation, GpuContext, GpuEncoder, GpuIsp, GpuSpan, IspStage, NpuDecoder, PromptLayout,
+    StageError,
 };
 use trace::TraceLog;
 
@@ -437,20 +438,20 @@ pub fn run(
                 ms(start.saturating_duration_since(item.captured())),
             );
             on_event(Event::FrameStart { frame: item.frame });
-            let result = (|| -> Result<Generation, StageError> {
-                // The encoder's completion value (on a GPU, signalled by its queue): on the
-                // CPU NPU, the one host wait of the handoff.
-                report.host_waits[2] += u64::from(ready.wait(GPU_TIMEOUT)?);
-                let guard = buffer.cpu_access(0..embed_len * 4, Access::Read)?;
-                let image = guard.typed::<f32>()?;
-                decoder.describe(image, &mut |text| {
-                    on_event(Event::Text {
-                        frame: item.frame,
-                        text,
-                    });
-                    !stop.load(Ordering::SeqCst)
-                })
-            })();
+            // The decoder waits for the encoder's completion value itself: in its device's
+            // queue where it can, else once on the host.
+            let image = EncodedImage {
+                buffer: &buffer,
+                len: embed_len,
+                ready: &ready,
+            };
+            let result = decoder.describe(image, &mut |text| {
+                on_event(Event::Text {
+                    frame: item.frame,
+                    text,
+                });
+                !stop.load(Ordering::SeqCst)
+            });
             embed_rx.release();
             let elapsed = start.elapsed();
             decode_time.add(elapsed);
@@ -458,6 +459,7 @@ pub fn run(
             match result {
                 Ok(generation) => {
                     report.frames_decoded += 1;
+                    report.host_waits[2] += u64::from(generation.host_waited);
                     let stats = &generation.stats;
                     report.tokens += stats.generated as u64;
                     report.decode_time += stats.decode_time;

@@ -180,23 +180,47 @@ impl Completion {
     }
 }
 
-/// What one reply produced and how fast: the generation's own statistics, and whether the
-/// image was found unchanged from the last one (`skip_similar`) so its K/V were reused.
+/// What one reply produced and how fast: the generation's own statistics, whether the image
+/// was found unchanged from the last one (`skip_similar`) so its K/V were reused, and whether
+/// the stage blocked its thread for the encoder's output (a host wait).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Generation {
     pub stats: crate::llm::GenerationStats,
     pub image_reused: bool,
+    pub host_waited: bool,
+}
+
+/// An image's embeddings as the encoder left them: `len` f32 values from the start of
+/// `buffer` (a ring slot, unified memory), complete once `ready` is reached.
+#[derive(Clone, Copy, Debug)]
+pub struct EncodedImage<'a> {
+    pub buffer: &'a Arc<UnifiedBuffer>,
+    pub len: usize,
+    pub ready: &'a Completion,
+}
+
+impl EncodedImage<'_> {
+    /// Waits on the host for the encoder, then calls `f` with the values (read in place,
+    /// under a CPU read guard); returns its result and whether the wait blocked.
+    pub fn read<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<(R, bool), StageError> {
+        let blocked = self.ready.wait(GPU_TIMEOUT)?;
+        let guard = self.buffer.cpu_access(0..self.len * 4, Access::Read)?;
+        Ok((f(guard.typed::<f32>()?), blocked))
+    }
 }
 
 /// The decoder: image embeddings in, text out, streamed piece by piece.
 pub trait DecoderStage: Send {
     /// `decoder-cpu`, `decoder-gpu`, ...
     fn name(&self) -> &'static str;
-    /// Generates a reply for the image whose embeddings are `image`, calling `on_text` with
-    /// each decoded piece; stops early when `on_text` returns `false`.
+    /// Generates a reply for the image whose embeddings `image` holds, calling `on_text` with
+    /// each decoded piece; stops early when `on_text` returns `false`. The embeddings may still
+    /// be being written when this is called: read them only after `image.ready`, on the host
+    /// ([`EncodedImage::read`]) or in a device queue that waits for it. Every device read of
+    /// the buffer is complete when this returns (the ring slot is reused after).
     fn describe(
         &mut self,
-        image: &[f32],
+        image: EncodedImage<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, StageError>;
     /// Fraction of the KV cache's pages in use now.
@@ -1161,11 +1185,25 @@ impl DecoderStage for NpuDecoder {
 
     fn describe(
         &mut self,
-        image: &[f32],
+        image: EncodedImage<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, StageError> {
         let (tokens, first) = self.layout.tokens();
-        let (key, reused) = self.image_key(image);
+        // The decoder's device reads the rows in place either way. It waits for the encoder in
+        // its own queue where it can (a GPU decoder importing the encoder's timeline); else
+        // here, once: the handoff's one host wait. Comparing frames needs the values here too.
+        let ready = image.ready.timeline_value();
+        let in_queue = self.skip_similar.is_none()
+            && ready
+                .as_ref()
+                .is_some_and(|(t, _)| self.decoder.device().waits_in_queue(&**t));
+        let (key, reused, host_waited) = if in_queue {
+            self.images += 1;
+            (self.images, false, false)
+        } else {
+            let ((key, reused), blocked) = image.read(|values| self.image_key(values))?;
+            (key, reused, blocked)
+        };
         // The repetition penalty and the drafts look at text, not at the image placeholders.
         let mut history: Vec<u32> = self.layout.before.clone();
         history.extend_from_slice(&self.layout.after);
@@ -1173,8 +1211,16 @@ impl DecoderStage for NpuDecoder {
             tokens: &tokens,
             splice: Some(crate::decoder::Splice {
                 start: first,
-                data: image,
+                data: npu_hal::EmbeddingData::Unified {
+                    buffer: image.buffer,
+                    offset: 0,
+                    len: image.len,
+                },
                 key,
+                ready: ready
+                    .as_ref()
+                    .filter(|_| in_queue)
+                    .map(|(t, v)| (&**t as &dyn sync_timeline::Timeline, *v)),
             }),
             history: Some(&history),
         };
@@ -1223,6 +1269,7 @@ impl DecoderStage for NpuDecoder {
         Ok(Generation {
             stats,
             image_reused: reused,
+            host_waited,
         })
     }
 

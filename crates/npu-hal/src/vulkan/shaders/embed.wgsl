@@ -1,5 +1,6 @@
 // out[row] = table[token[row]], or the spliced row (another engine's embedding) for rows in
-// [step[4], step[5]); one workgroup per row. The module declares W_FORMAT.
+// [step[4], step[5]), read from `splice` at value step[9] on; one workgroup per row. The module
+// declares W_FORMAT.
 struct Params {
     width: u32,
     vocab: u32,
@@ -16,7 +17,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     let base = row * pc.width;
     if (row >= step[4u] && row < step[5u]) {
-        let src_at = (row - step[4u]) * pc.width;
+        let src_at = step[9u] + (row - step[4u]) * pc.width;
         for (var i = lid; i < pc.width; i += 64u) {
             y[base + i] = splice[src_at + i];
         }
