@@ -225,6 +225,12 @@ pub trait DecoderStage: Send {
     ) -> Result<Generation, StageError>;
     /// Fraction of the KV cache's pages in use now.
     fn kv_utilisation(&self) -> f64;
+    /// Runs whatever the first replies would otherwise pay for once (pipeline compilation,
+    /// program recording) on `image`, before the stream starts. No output is produced.
+    fn warm_up(&mut self, image: EncodedImage<'_>) -> Result<(), StageError> {
+        let _ = image;
+        Ok(())
+    }
 }
 
 /// One Vulkan device shared by the GPU stages.
@@ -1276,6 +1282,20 @@ impl DecoderStage for NpuDecoder {
     fn kv_utilisation(&self) -> f64 {
         let m = self.decoder.kv().manager();
         1.0 - m.available_blocks() as f64 / m.total_blocks().max(1) as f64
+    }
+
+    /// Two short replies: the first prefills the whole prompt, the second finds its text
+    /// prefix cached and prefills from the image on (another batch shape), and both decode a
+    /// step, so a GPU decoder has compiled and recorded those programs before the first frame
+    /// (on the H200 the first reply that found the prefix cached stalled about 1.5 s without
+    /// this). Drafting is off meanwhile and nothing of the warm-up is remembered.
+    fn warm_up(&mut self, image: EncodedImage<'_>) -> Result<(), StageError> {
+        let (max_tokens, drafter) = (self.max_tokens, self.drafter.take());
+        self.max_tokens = max_tokens.min(2);
+        let result = (0..2).try_for_each(|_| self.describe(image, &mut |_| true).map(|_| ()));
+        (self.max_tokens, self.drafter) = (max_tokens, drafter);
+        self.last_image = None;
+        result
     }
 }
 
