@@ -80,6 +80,12 @@ pub struct VulkanConfig {
     /// Time every dispatch (a timestamp after each, which serialises them): what
     /// [`Device::profile`] reports. Default: on when `NPU_HAL_PROFILE` is set.
     pub profile: bool,
+    /// Invocations per output row in the decode GEMV: 32, 64, 128 or 256 (a workgroup holds
+    /// 256 / `gemv_lanes` rows). More lanes per row leave each invocation fewer dependent
+    /// loads, which is what a decode step at SmolLM2's widths waits on. `None` (the default,
+    /// unless `NPU_HAL_GEMV_LANES` is set): 64 on a GPU, 32 on a CPU implementation (lavapipe),
+    /// the fastest of each measured (README, "Decoder on the GPU").
+    pub gemv_lanes: Option<u32>,
 }
 
 impl Default for VulkanConfig {
@@ -88,6 +94,9 @@ impl Default for VulkanConfig {
             adapter: AdapterChoice::Best,
             wait_timeout: Duration::from_secs(30),
             profile: std::env::var_os("NPU_HAL_PROFILE").is_some(),
+            gemv_lanes: std::env::var("NPU_HAL_GEMV_LANES")
+                .ok()
+                .and_then(|v| v.parse().ok()),
         }
     }
 }
@@ -209,6 +218,8 @@ enum Grid {
         selected: bool,
         input: LinearInput,
         accumulate: bool,
+        /// Invocations per row of the GEMV variants.
+        lanes: u32,
     },
     /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
     LinearRows { selected: bool },
@@ -218,6 +229,10 @@ enum Grid {
     /// reads every key from the pages, after the KV write) for longer ones.
     Attention { heads: u32, paged: Kernel },
 }
+
+/// [`VulkanConfig::gemv_lanes`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
+const GPU_GEMV_LANES: u32 = 64;
+const CPU_GEMV_LANES: u32 = 32;
 
 /// Batches longer than this take the prefill variants (GEMM, paged attention).
 const SHORT_BATCH: u32 = 8;
@@ -353,6 +368,8 @@ pub struct VulkanNpu {
     pending_times: Mutex<Vec<Pending>>,
     /// Per-dispatch timestamps ([`VulkanConfig::profile`]).
     profile: bool,
+    /// [`VulkanConfig::gemv_lanes`].
+    gemv_lanes: u32,
     kernel_times: Mutex<HashMap<Kernel, (u64, f64)>>,
     counters: Counters,
     wait_timeout: Duration,
@@ -384,6 +401,18 @@ impl std::fmt::Debug for VulkanNpu {
 impl VulkanNpu {
     /// Opens the adapter `config` chooses.
     pub fn new(config: VulkanConfig) -> Result<VulkanNpu, Error> {
+        if let Some(lanes) = config
+            .gemv_lanes
+            .filter(|l| !shaders::GEMV_LANES.contains(l))
+        {
+            return Err(Error::Unsupported {
+                what: "this GEMV lane count",
+                why: format!(
+                    "{lanes} invocations per row (NPU_HAL_GEMV_LANES?); the kernel takes one of {:?}",
+                    shaders::GEMV_LANES
+                ),
+            });
+        }
         let instance = Instance::new()?;
         let mut adapters = instance.adapters()?;
         adapters.sort_by_key(|(_, a)| (a.rank(), a.index));
@@ -479,6 +508,11 @@ impl VulkanNpu {
             timestamps,
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
+            gemv_lanes: config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
+                CPU_GEMV_LANES
+            } else {
+                GPU_GEMV_LANES
+            }),
             kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             wait_timeout: config.wait_timeout,
@@ -1107,6 +1141,7 @@ impl VulkanNpu {
                 selected,
                 input: kind,
                 accumulate: accumulate.is_some(),
+                lanes: self.gemv_lanes,
             },
             push,
             &bufs,
@@ -1782,17 +1817,20 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             selected: sel,
             input,
             accumulate,
+            lanes,
         } => {
             let m = if sel { selected as u32 } else { n };
             let gemv = |tokens| Kernel::Gemv {
                 format,
                 tokens,
+                lanes,
                 input,
                 accumulate,
             };
+            let groups = rows.div_ceil(256 / lanes);
             match m {
-                0 | 1 => (gemv(1), [rows.div_ceil(8), 1, 1]),
-                2..=SHORT_BATCH => (gemv(8), [rows.div_ceil(8), 1, 1]),
+                0 | 1 => (gemv(1), [groups, 1, 1]),
+                2..=SHORT_BATCH => (gemv(8), [groups, 1, 1]),
                 _ => (
                     Kernel::Gemm {
                         format,

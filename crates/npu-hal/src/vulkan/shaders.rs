@@ -16,6 +16,8 @@ use super::gpu::{Context, PUSH_BYTES, vk_err};
 use crate::Error;
 
 const COMMON: &str = include_str!("shaders/common.wgsl");
+/// Invocations per output row the GEMV kernel can take ([`crate::VulkanConfig::gemv_lanes`]).
+pub(crate) const GEMV_LANES: [u32; 4] = [32, 64, 128, 256];
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
 const LINEAR_IO: &str = include_str!("shaders/linear_io.wgsl");
@@ -112,10 +114,12 @@ impl KvFormat {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Kernel {
     RmsNorm,
-    /// A GEMV over up to `tokens` tokens per workgroup row.
+    /// A GEMV over up to `tokens` tokens per workgroup row, `lanes` invocations per output
+    /// row (256 / `lanes` rows per workgroup).
     Gemv {
         format: WeightFormat,
         tokens: u32,
+        lanes: u32,
         input: LinearInput,
         accumulate: bool,
     },
@@ -188,10 +192,13 @@ impl Kernel {
             Kernel::Gemv {
                 format,
                 tokens,
+                lanes,
                 input,
                 accumulate,
             } => {
-                s.push_str(&format!("const NT: u32 = {tokens}u;\n"));
+                s.push_str(&format!(
+                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\n"
+                ));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMV);
@@ -495,25 +502,20 @@ mod tests {
             for input in [LinearInput::Plain, LinearInput::Norm, LinearInput::SwiGlu] {
                 kernels.push(Kernel::Rotate { input });
                 for accumulate in [false, true] {
-                    kernels.extend([
-                        Kernel::Gemv {
+                    for lanes in GEMV_LANES {
+                        kernels.extend([1, 8].map(|tokens| Kernel::Gemv {
                             format,
-                            tokens: 1,
+                            tokens,
+                            lanes,
                             input,
                             accumulate,
-                        },
-                        Kernel::Gemv {
-                            format,
-                            tokens: 8,
-                            input,
-                            accumulate,
-                        },
-                        Kernel::Gemm {
-                            format,
-                            input,
-                            accumulate,
-                        },
-                    ]);
+                        }));
+                    }
+                    kernels.extend([Kernel::Gemm {
+                        format,
+                        input,
+                        accumulate,
+                    }]);
                 }
             }
         }

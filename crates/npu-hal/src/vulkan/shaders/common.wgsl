@@ -5,6 +5,8 @@
 //   4 first spliced row               5 end of the spliced rows (Batch::embeddings)
 //   6 offset of the token ids         7 offset of the KV slots (block * block_tokens + offset)
 //   8 offset of the sequence's block table
+//   9 where the spliced rows start in their buffer (f32 values; an imported unified buffer
+//     is read from there, the upload buffer from 0)
 // Everything else a kernel needs is fixed per op and recorded as immediates (push constants).
 @group(0) @binding(0) var<storage, read> step: array<u32>;
 

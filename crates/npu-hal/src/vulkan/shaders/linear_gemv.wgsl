@@ -1,10 +1,9 @@
 // y[t][row] = sum_k W[row][k] x[t][k] for up to NT tokens per workgroup row (decode and short
-// batches): 8 rows per workgroup, 32 lanes per row striding the row four elements at a time,
-// every decoded weight used for all NT tokens. The module declares NT, W_FORMAT and the
-// linear_io.wgsl constants.
-const LANES: u32 = 32u;
-const ROWS_PER_WG: u32 = 8u;
+// batches): LANES invocations per row striding it four elements at a time, 256 / LANES rows per
+// workgroup, every decoded weight used for all NT tokens, the lanes' sums added as a tree. The
+// module declares NT, LANES, W_FORMAT and the linear_io.wgsl constants.
 const WG: u32 = 256u;
+const ROWS_PER_WG: u32 = WG / LANES;
 var<workgroup> red: array<f32, 2048>;
 
 @compute @workgroup_size(256)
@@ -58,11 +57,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         red[(local_row * NT + t) * LANES + lane] = acc[t];
     }
     workgroupBarrier();
-    if (lane < nt && row < pc.rows) {
-        var s = 0.0;
-        for (var i = 0u; i < LANES; i++) {
-            s += red[(local_row * NT + lane) * LANES + i];
+    for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
+        if (lane < stride) {
+            for (var t = 0u; t < NT; t++) {
+                let i = (local_row * NT + t) * LANES + lane;
+                red[i] += red[i + stride];
+            }
         }
-        store_y((t0 + lane) * pc.rows + row, s);
+        workgroupBarrier();
+    }
+    if (lane < nt && row < pc.rows) {
+        store_y((t0 + lane) * pc.rows + row, red[(local_row * NT + lane) * LANES]);
     }
 }
