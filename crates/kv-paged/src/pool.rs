@@ -281,6 +281,22 @@ impl BlockManager {
         Ok(reused)
     }
 
+    /// How many leading tokens of `prompt` [`BlockManager::add_cached_prefix`] would take from
+    /// the prefix cache now (whole blocks), without taking them or counting a hit or miss.
+    pub fn cached_prefix_len(&self, prompt: &[u32]) -> usize {
+        let mut parent = None;
+        let mut len = 0;
+        for chunk in prompt.chunks_exact(self.block_tokens) {
+            let h = block_hash(parent, chunk);
+            if !self.cache.contains_key(&h) {
+                break;
+            }
+            len += chunk.len();
+            parent = Some(h);
+        }
+        len
+    }
+
     /// Appends `tokens` to `seq`, allocating blocks as they fill; a shared last block is copied
     /// first. Fails with [`Error::OutOfBlocks`] (changing nothing) when the blocks needed exceed
     /// those available.

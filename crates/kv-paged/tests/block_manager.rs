@@ -252,6 +252,11 @@ fn prefix_cache_reuses_and_evicts_lru() {
     m.add_sequence(1, &[1, 2, 3, 4, 5]).unwrap(); // blocks 0, 1 full and hashed, 2 partial
     m.free_sequence(1).unwrap(); // 0 and 1 cached, 2 free
     assert_eq!(m.accounting().cached_blocks, 2);
+    // A peek takes nothing and counts nothing: whole cached blocks of the longest prefix.
+    assert_eq!(m.cached_prefix_len(&[1, 2, 3, 4, 9]), 4);
+    assert_eq!(m.cached_prefix_len(&[1, 2, 3]), 2);
+    assert_eq!(m.cached_prefix_len(&[1, 9, 3, 4]), 0);
+    assert_eq!(m.accounting().cache_hits, 0);
     // Same prefix: both full blocks come back from the cache; only the tail is new.
     let a = m.add_sequence(2, &[1, 2, 3, 4, 9]).unwrap();
     assert_eq!(m.block_table(2).unwrap(), &[0, 1, 2]);

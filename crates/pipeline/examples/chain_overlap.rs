@@ -68,6 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             buffer: &embeddings,
             len: rows,
             ready: &pipeline::chain::Completion::Done,
+            unchanged: false,
         };
         chain
             .decoder

@@ -335,7 +335,13 @@ pub struct Decoder {
     attention: kv_paged::prune::AttentionTracker,
     /// KV pages pruning has dropped since the decoder was made.
     pages_pruned: u64,
+    /// Tokens [`Decoder::pin_prefix`] holds in the cache (whole pages; 0: no pin).
+    pinned: usize,
 }
+
+/// The sequence id that holds a pinned prefix's pages (the decoder's own count from 0 never
+/// reaches it).
+const PIN_SEQ: kv_paged::SeqId = kv_paged::SeqId::MAX;
 
 /// Which pages a KV budget drops (`--prune`). Every policy keeps the first page (the attention
 /// sinks) and the page being filled.
@@ -392,6 +398,10 @@ const SUBMIT_ORDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 /// place from its unified buffer): rows `start..start + data.len() / hidden`.
 #[derive(Clone, Copy, Debug)]
 pub struct Splice<'a> {
+    /// The image's first row: rows `key_from..start` are the same image's but come with no
+    /// data, so they must be in the prefix cache (an unchanged frame whose pages were pinned,
+    /// [`Decoder::pin_prefix`]); the forward fails by name when they are not.
+    pub key_from: usize,
     pub start: usize,
     pub data: npu_hal::EmbeddingData<'a>,
     /// Names the embeddings for the prefix cache: the same key means the same rows, so a later
@@ -408,6 +418,7 @@ impl<'a> Splice<'a> {
     /// Host rows, complete now.
     pub fn host(start: usize, data: &'a [f32], key: u64) -> Splice<'a> {
         Splice {
+            key_from: start,
             start,
             data: npu_hal::EmbeddingData::Host(data),
             key,
@@ -637,6 +648,7 @@ impl Decoder {
             options,
             report,
             seq: 0,
+            pinned: 0,
             len: 0,
             timeline,
             tick,
@@ -843,6 +855,48 @@ impl Decoder {
         self.prefix_reused
     }
 
+    /// Keeps the first `len` tokens of the current sequence (rounded down to whole pages) in
+    /// the KV cache until the next pin or [`Decoder::unpin`]: a fork of the sequence holds the
+    /// pages, so no eviction or later pruning takes them, and a fresh sequence with the same
+    /// leading tokens finds them ([`Decoder::set_prefix_reuse`]). Nothing is copied. Returns the
+    /// tokens pinned: 0 when the sequence lost pages to pruning (its cache no longer lines up
+    /// with its tokens) or `len` is under a page.
+    pub fn pin_prefix(&mut self, len: usize) -> Result<usize, DecodeError> {
+        self.unpin()?;
+        let cached = self.kv.manager().len(self.seq)?;
+        let bt = self.kv.layout().block_tokens;
+        let keep = len.min(self.len) / bt * bt;
+        if cached != self.len || keep == 0 {
+            return Ok(0);
+        }
+        self.kv.fork(self.seq, PIN_SEQ)?;
+        self.kv.truncate(PIN_SEQ, keep)?;
+        self.pinned = keep;
+        Ok(keep)
+    }
+
+    /// Releases what [`Decoder::pin_prefix`] holds (its pages stay in the prefix cache as any
+    /// freed sequence's do, until evicted).
+    pub fn unpin(&mut self) -> Result<(), DecodeError> {
+        if self.pinned > 0 {
+            self.kv.free_sequence(PIN_SEQ)?;
+            self.pinned = 0;
+        }
+        Ok(())
+    }
+
+    /// Tokens [`Decoder::pin_prefix`] holds now.
+    pub fn pinned(&self) -> usize {
+        self.pinned
+    }
+
+    /// How many leading tokens of a forward of `tokens` (with `splice`'s rows named by its key)
+    /// into an empty sequence would come from the prefix cache now, with prefix reuse on.
+    pub fn cached_prefix(&self, tokens: &[u32], splice: Option<Splice<'_>>) -> usize {
+        let ids = Decoder::cache_ids(tokens, splice, self.config.hidden);
+        self.kv.manager().cached_prefix_len(&ids)
+    }
+
     /// Appends `tokens` to the sequence and calls `on_logits(i, logits)` for every `i` in
     /// `want` (indices into `tokens`), in order. On an error past the argument checks the
     /// sequence is dropped (its KV state would be partial), so the next call starts fresh.
@@ -867,17 +921,19 @@ impl Decoder {
     ) -> Result<(), DecodeError> {
         if let Some(sp) = splice {
             let hidden = self.config.hidden;
-            if !sp.data.len().is_multiple_of(hidden)
+            if sp.key_from > sp.start
+                || !sp.data.len().is_multiple_of(hidden)
                 || sp
                     .start
                     .checked_add(sp.data.len() / hidden)
                     .is_none_or(|end| end > tokens.len())
             {
                 return Err(DecodeError::BadInput(format!(
-                    "{} spliced embedding values at token {} are not whole rows of {hidden} \
-                     inside the {} tokens",
+                    "{} spliced embedding values at token {} (image from token {}) are not \
+                     whole rows of {hidden} inside the {} tokens",
                     sp.data.len(),
                     sp.start,
+                    sp.key_from,
                     tokens.len()
                 )));
             }
@@ -902,7 +958,7 @@ impl Decoder {
             return std::borrow::Cow::Borrowed(tokens);
         };
         let mut ids = tokens.to_vec();
-        let rows = sp.start..sp.start + sp.data.len() / hidden;
+        let rows = sp.key_from..sp.start + sp.data.len() / hidden;
         for (r, id) in rows.clone().zip(&mut ids[rows]) {
             *id = sp.cache_id(r);
         }
@@ -944,6 +1000,15 @@ impl Decoder {
             done = self.kv.add_cached_prefix(self.seq, &ids[..limit])?;
             self.len = done;
             self.prefix_reused = done;
+        }
+        // Image rows that came without data must have come from the cache.
+        if let Some(sp) = splice.filter(|sp| sp.key_from < sp.start && done < sp.start) {
+            return Err(DecodeError::BadInput(format!(
+                "image rows {}..{} have no embeddings and only {done} tokens were in the KV \
+                 prefix cache (pin the image's pages with Decoder::pin_prefix, and turn \
+                 prefix reuse on)",
+                sp.key_from, sp.start
+            )));
         }
         // The logits buffer is kept across calls (a decode step would otherwise allocate
         // vocab-sized memory per token); taken out so `self` stays borrowable, put back below.

@@ -374,6 +374,9 @@ pub struct Prompt<'a> {
     /// The tokens the repetition penalty and the drafter start from, when not `tokens` (a
     /// prompt with an image gives its text tokens).
     pub history: Option<&'a [u32]>,
+    /// Pin the prompt's K/V (its whole pages) once it is prefilled ([`Decoder::pin_prefix`]),
+    /// so a later generation from the same prompt finds every page of it in the cache.
+    pub pin: bool,
 }
 
 impl<'a> Prompt<'a> {
@@ -383,6 +386,7 @@ impl<'a> Prompt<'a> {
             tokens,
             splice: None,
             history: None,
+            pin: false,
         }
     }
 }
@@ -427,6 +431,9 @@ pub fn generate_from(
         rows.extend_from_slice(l)
     })?;
     stats.prefix_cached_tokens = decoder.prefix_reused();
+    if prompt.pin {
+        decoder.pin_prefix(n)?;
+    }
     let mut draft = Draft::default();
     let mut dist = Vec::new();
     let mut first = None;

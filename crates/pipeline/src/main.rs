@@ -296,8 +296,9 @@ struct RunArgs {
     /// The most tokens a step drafts (1 to 15; default 8).
     #[arg(long)]
     draft_tokens: Option<usize>,
-    /// Reuse the previous frame's image K/V when the image embeddings' relative RMS
-    /// difference from it is at most THRESHOLD (e.g. 0.02).
+    /// Skip encoding a frame whose ISP output moved by at most THRESHOLD (relative RMS over
+    /// every 64th value) from the last encoded frame's, e.g. 0.02: the decoder describes it
+    /// from that image's K/V, pinned in the KV cache, without prefilling the image again.
     #[arg(long, value_name = "THRESHOLD")]
     skip_similar: Option<f32>,
     /// Keep each reply's KV cache within this many tokens by dropping whole pages.

@@ -993,9 +993,8 @@ fn the_frames_handoff_rides_a_drm_syncobj_timeline() {
 /// Every reply is the same text in all three (the prompt's prefix and the reused image rows
 /// give the bits a cold prefill gives; drafting keeps greedy output), and the counters say
 /// what was reused and drafted.
-#[test]
-fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
-    let _ledger = ledger_lock();
+/// A still clip: frame 0 of the committed testsrc2 clip, 6 times, in a directory of its own.
+fn still_clip(name: &str) -> (PathBuf, PathBuf) {
     let clip = std::fs::read(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/clips/testsrc2-256x144.y4m"),
     )
@@ -1006,10 +1005,17 @@ fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
     for _ in 0..6 {
         still.extend_from_slice(&clip[header..header + frame]);
     }
-    let dir = std::env::temp_dir().join(format!("pipeline-still-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("pipeline-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("still.y4m");
     std::fs::write(&path, &still).unwrap();
+    (dir, path)
+}
+
+#[test]
+fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
+    let _ledger = ledger_lock();
+    let (dir, path) = still_clip("still");
     let vlm = tiny_vlm();
     let run = |skip_similar: Option<f32>, draft: Option<&str>| {
         let spec = ChainSpec {
@@ -1053,6 +1059,11 @@ fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
         reused_report.frames_reused, 5,
         "five frames repeat the first"
     );
+    assert_eq!(plain_report.frames_encoded, 6);
+    assert_eq!(
+        reused_report.frames_encoded, 1,
+        "unchanged frames are not encoded"
+    );
     assert!(
         reused_report.prefix_cached_tokens > plain_report.prefix_cached_tokens,
         "{} vs {}",
@@ -1069,5 +1080,68 @@ fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
     ] {
         assert!(json.get(key).is_some(), "stats JSON lacks {key}");
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The same still clip through the GPU ISP, encoder and decoder: with `skip_similar`, the five
+/// repeated frames are neither encoded nor prefilled (the decoder's pinned pages live on the
+/// GPU), and every reply is the one the GPU chain gives when it encodes every frame.
+#[test]
+fn the_gpu_chain_skips_unchanged_frames_with_the_same_replies() {
+    let _ledger = ledger_lock();
+    let (dir, path) = still_clip("gpu-still");
+    let vlm = tiny_vlm();
+    let run = |skip_similar: Option<f32>| {
+        let spec = ChainSpec {
+            source: Some(format!("file:{}", path.display())),
+            model: Some(vlm.clone()),
+            vlm: Some(vlm.clone()),
+            prompt: Some("What is in the image?".into()),
+            isp: Placement::Gpu,
+            encoder: Placement::Gpu,
+            device: Some("gpu".into()),
+            max_tokens: Some(8),
+            policy: Some("exact-f32".into()),
+            skip_similar,
+            ..ChainSpec::default()
+        };
+        let built = match build(&spec, true) {
+            Ok(b) => b,
+            Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
+                eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
+                return None;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let mut replies = vec![String::new(); 6];
+        let report = pipeline::chain::run(
+            built.chain,
+            &built.options,
+            Arc::new(AtomicBool::new(false)),
+            |e| {
+                if let Event::Text { frame, text } = e {
+                    replies[frame as usize].push_str(text);
+                }
+            },
+        )
+        .unwrap();
+        assert!(report.failure.is_none(), "{:?}", report.failure);
+        assert_eq!(report.frames_decoded, 6);
+        Some((replies, report))
+    };
+    let Some((plain, plain_report)) = run(None) else {
+        return;
+    };
+    let (reused, reused_report) = run(Some(0.01)).unwrap();
+    assert!(plain.iter().all(|r| !r.is_empty()), "{plain:?}");
+    assert_eq!(reused, plain, "skipping unchanged frames changed a reply");
+    assert_eq!(
+        (plain_report.frames_encoded, plain_report.frames_reused),
+        (6, 0)
+    );
+    assert_eq!(
+        (reused_report.frames_encoded, reused_report.frames_reused),
+        (1, 5)
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

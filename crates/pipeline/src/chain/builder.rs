@@ -552,7 +552,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         if !(t >= 0.0 && t.is_finite()) {
             return Err(format!("skip_similar {t}: use a finite threshold >= 0").into());
         }
-        decoder = decoder.with_skip_similar(t);
+        decoder = decoder.with_image_reuse();
     }
     Ok(Built {
         chain: Chain {
@@ -568,6 +568,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
             live,
             trace,
             ahead: spec.ahead.unwrap_or(false),
+            skip_similar: spec.skip_similar,
         },
         notes,
     })

@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use isp_v4l2::{Frame, FrameSource};
-use uvm_alloc::{Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
+use uvm_alloc::{Access, Allocator, AllocatorDesc, BackendKind, CopyLedger, UnifiedBuffer};
 
 use sync_timeline::ring::{self, Ended};
 use sync_timeline::{CpuTimeline, Timeline};
@@ -97,6 +97,11 @@ pub struct RunOptions {
     /// source's signal, where the source and the ISP can (ahead-of-time submission). Off by
     /// default: it measured no faster on the H200 and slower on lavapipe (README).
     pub ahead: bool,
+    /// Skip encoding a frame whose ISP output differs from the last encoded frame's by at most
+    /// this relative RMS difference (over every 64th value, read in place once the ISP is
+    /// done): the decoder then describes it from the last image's pinned K/V. The decoder stage
+    /// must keep them ([`NpuDecoder::with_image_reuse`]).
+    pub skip_similar: Option<f32>,
 }
 
 impl Default for RunOptions {
@@ -108,6 +113,7 @@ impl Default for RunOptions {
             live: false,
             trace: false,
             ahead: false,
+            skip_similar: None,
         }
     }
 }
@@ -225,6 +231,8 @@ impl Item {
 struct Ready {
     item: Item,
     ready: Completion,
+    /// The encoder skipped this frame as unchanged (`skip_similar`): the slot holds nothing.
+    unchanged: bool,
 }
 
 /// Runs `chain` until its source ends, `options.max_frames` frames have come in, `stop` is
@@ -293,6 +301,7 @@ pub fn run(
         buffer: &embed_buffers[0],
         len: embed_len,
         ready: &Completion::Done,
+        unchanged: false,
     })?;
 
     let ledger_before = CopyLedger::global().report();
@@ -402,10 +411,11 @@ pub fn run(
                 &mut log,
                 &mut *encoder,
                 (encoder_handled, ahead.then_some(&*frames_written)),
+                options.skip_similar,
             );
             // Nothing more will be handled: an ISP waiting on this count goes on (and ends).
             let _ = encoder_handled.signal(u64::MAX);
-            done.host_waits = encoder.host_waits();
+            done.host_waits += encoder.host_waits();
             embed_tx.close();
             pixels_rx.abandon();
             done.dropped += pixels_rx.dropped();
@@ -433,7 +443,14 @@ pub fn run(
                 Ok(None) => break,
                 Err(Ended::Stopped | Ended::Closed) => break,
             };
-            let (Ready { item, ready }, buffer) = received;
+            let (
+                Ready {
+                    item,
+                    ready,
+                    unchanged,
+                },
+                buffer,
+            ) = received;
             let buffer = buffer.expect("the embeddings ring has buffers");
             let start = Instant::now();
             // Busy until about then: the encoder's next item should be ready just before.
@@ -450,6 +467,7 @@ pub fn run(
                 buffer: &buffer,
                 len: embed_len,
                 ready: &ready,
+                unchanged,
             };
             let result = decoder.describe(image, &mut |text| {
                 on_event(Event::Text {
@@ -800,7 +818,12 @@ fn pump_isp(
         }
         let written = ready.timeline_value();
         let frame_number = item.frame;
-        let value = tx.publish_written_after(slot, Ready { item, ready }, written);
+        let ready = Ready {
+            item,
+            ready,
+            unchanged: false,
+        };
+        let value = tx.publish_written_after(slot, ready, written);
         log.signal(tx.name(), value, Some(frame_number));
     }
 }
@@ -822,6 +845,25 @@ fn wait_for<T>(timeline: &dyn Timeline, value: u64, rx: &Consumer<T>) -> bool {
 /// published as soon as the work is submitted, with its completion value, so the decoder waits
 /// on that value itself (on a GPU, a timeline the queue signals); the input slot goes back to
 /// the ISP released after that value, so nobody blocks on it here.
+/// Every 64th value of an ISP output: enough to tell an unchanged frame from a changed one.
+fn pixel_signature(pixels: &[f32]) -> Vec<f32> {
+    pixels.iter().step_by(64).copied().collect()
+}
+
+/// `rms(a - b) / rms(b)` (0 when both are zero): how much a frame moved.
+fn relative_rms_difference(a: &[f32], b: &[f32]) -> f32 {
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        diff += f64::from(x - y).powi(2);
+        norm += f64::from(y).powi(2);
+    }
+    if norm == 0.0 {
+        return if diff == 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    (diff / norm).sqrt() as f32
+}
+
+#[allow(clippy::too_many_arguments)]
 fn pump_encoder(
     rx: &mut Consumer<Ready>,
     tx: &mut Producer<Ready>,
@@ -830,8 +872,11 @@ fn pump_encoder(
     log: &mut TraceLog,
     encoder: &mut dyn EncoderStage,
     (handled, frames_written): (&CpuTimeline, Option<&dyn Timeline>),
+    skip_similar: Option<f32>,
 ) -> Result<(), StageError> {
     let mut received = 0u64;
+    // The last encoded frame's pixel signature (`skip_similar`).
+    let mut last: Option<Vec<f32>> = None;
     let mut own = demand::Latency::default();
     let mut served = None;
     loop {
@@ -862,6 +907,7 @@ fn pump_encoder(
             Ready {
                 item,
                 ready: pixels_ready,
+                ..
             },
             input,
         ))) = rx.receive()
@@ -880,8 +926,40 @@ fn pump_encoder(
         {
             return Ok(());
         }
-        let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let start = Instant::now();
+        if let Some(threshold) = skip_similar {
+            // The ISP's output, read in place once it is complete (a host wait when the ISP
+            // runs on a GPU): an unchanged frame is not encoded, and the decoder reuses the last
+            // image's K/V.
+            counts.host_waits += u64::from(pixels_ready.wait(GPU_TIMEOUT)?);
+            let signature = {
+                let guard = input.cpu_access(0..input.len(), Access::Read)?;
+                pixel_signature(guard.typed::<f32>()?)
+            };
+            if last
+                .as_ref()
+                .is_some_and(|l| relative_rms_difference(&signature, l) <= threshold)
+            {
+                rx.release();
+                log.span("skip similar", Some(item.frame), start, start.elapsed());
+                let _ = handled.signal(received + rx.dropped());
+                let frame_number = item.frame;
+                let ready = Ready {
+                    item,
+                    ready: Completion::Done,
+                    unchanged: true,
+                };
+                let value = tx.publish(slot, ready);
+                log.signal(tx.name(), value, Some(frame_number));
+                continue;
+            }
+            // Kept until the next encoded frame: a copy, counted.
+            CopyLedger::global()
+                .stage("skip-similar-signature")
+                .record(std::mem::size_of_val(signature.as_slice()));
+            last = Some(signature);
+        }
+        let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let ready = match encoder.submit(item.frame, &input, &pixels_ready, &out) {
             Ok(ready) => ready,
             Err(e) => {
@@ -909,7 +987,12 @@ fn pump_encoder(
         }
         let written = ready.timeline_value();
         let frame_number = item.frame;
-        let value = tx.publish_written_after(slot, Ready { item, ready }, written);
+        let ready = Ready {
+            item,
+            ready,
+            unchanged: false,
+        };
+        let value = tx.publish_written_after(slot, ready, written);
         log.signal(tx.name(), value, Some(frame_number));
     }
 }

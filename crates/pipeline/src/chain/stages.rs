@@ -191,12 +191,16 @@ pub struct Generation {
 }
 
 /// An image's embeddings as the encoder left them: `len` f32 values from the start of
-/// `buffer` (a ring slot, unified memory), complete once `ready` is reached.
+/// `buffer` (a ring slot, unified memory), complete once `ready` is reached. When `unchanged`,
+/// the encoder found the frame equal to the last one it encoded (`skip_similar`) and wrote
+/// nothing: the buffer holds no embeddings of this frame, and the decoder reuses the last
+/// image's.
 #[derive(Clone, Copy, Debug)]
 pub struct EncodedImage<'a> {
     pub buffer: &'a Arc<UnifiedBuffer>,
     pub len: usize,
     pub ready: &'a Completion,
+    pub unchanged: bool,
 }
 
 impl EncodedImage<'_> {
@@ -1066,8 +1070,9 @@ impl PromptLayout {
 ///
 /// Across frames it keeps what a stream repeats: the prompt's text before the image is
 /// prefilled once and then taken from the KV prefix cache; with a drafter, each reply is
-/// drafted from its own text and the previous replies; with `skip_similar`, a frame whose
-/// image embeddings barely differ from the last one's reuses that frame's K/V as well.
+/// drafted from its own text and the previous replies; with image reuse (`skip_similar`), a
+/// frame the encoder found unchanged is described from the last image's pinned K/V, with no
+/// embeddings and no prefill of the image.
 pub struct NpuDecoder {
     decoder: Decoder,
     tokenizer: Tokenizer,
@@ -1076,9 +1081,7 @@ pub struct NpuDecoder {
     max_tokens: usize,
     grammar: Option<crate::grammar::Grammar>,
     drafter: Option<(Box<dyn crate::speculative::Drafter + Send>, usize)>,
-    skip_similar: Option<f32>,
-    /// The last described image's key and signature (for `skip_similar`).
-    last_image: Option<(u64, Vec<f32>)>,
+    reuse: Option<ImageReuse>,
     images: u64,
 }
 
@@ -1089,7 +1092,7 @@ impl std::fmt::Debug for NpuDecoder {
             .field("layout", &self.layout)
             .field("max_tokens", &self.max_tokens)
             .field("drafter", &self.drafter)
-            .field("skip_similar", &self.skip_similar)
+            .field("image_reuse", &self.reuse.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -1114,8 +1117,7 @@ impl NpuDecoder {
             max_tokens,
             grammar,
             drafter: None,
-            skip_similar: None,
-            last_image: None,
+            reuse: None,
             images: 0,
         }
     }
@@ -1130,54 +1132,24 @@ impl NpuDecoder {
         self
     }
 
-    /// Reuses the previous frame's K/V when the image embeddings' root-mean-square difference
-    /// from it, relative to their root-mean-square value, is at most `threshold`.
-    pub fn with_skip_similar(mut self, threshold: f32) -> NpuDecoder {
-        self.skip_similar = Some(threshold);
+    /// Keeps each image's K/V pinned in the cache (and the rows past its last whole page), so
+    /// an image the encoder found unchanged ([`EncodedImage::unchanged`], `skip_similar`) is
+    /// described from them without its embeddings.
+    pub fn with_image_reuse(mut self) -> NpuDecoder {
+        self.reuse = Some(ImageReuse::default());
         self
     }
-
-    /// The key naming `image` for the prefix cache: the last image's when `skip_similar`
-    /// finds it unchanged, else a new one.
-    fn image_key(&mut self, image: &[f32]) -> (u64, bool) {
-        let Some(threshold) = self.skip_similar else {
-            self.images += 1;
-            return (self.images, false);
-        };
-        let signature = image_signature(image);
-        // The signature is a copy (a sixteenth of the embeddings): counted.
-        uvm_alloc::CopyLedger::global()
-            .stage("skip-similar-signature")
-            .record(std::mem::size_of_val(signature.as_slice()));
-        if let Some((key, last)) = &self.last_image
-            && last.len() == signature.len()
-            && relative_rms_difference(&signature, last) <= threshold
-        {
-            return (*key, true);
-        }
-        self.images += 1;
-        self.last_image = Some((self.images, signature));
-        (self.images, false)
-    }
 }
 
-/// Every 16th value of an image's embeddings: enough to tell an unchanged frame from a
-/// changed one at a sixteenth of the reads and the memory.
-fn image_signature(image: &[f32]) -> Vec<f32> {
-    image.iter().step_by(16).copied().collect()
-}
-
-/// `rms(a - b) / rms(b)` (0 when both are zero): how much an image's embeddings moved.
-pub fn relative_rms_difference(a: &[f32], b: &[f32]) -> f32 {
-    let (mut diff, mut norm) = (0f64, 0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        diff += f64::from(x - y).powi(2);
-        norm += f64::from(y).powi(2);
-    }
-    if norm == 0.0 {
-        return if diff == 0.0 { 0.0 } else { f32::INFINITY };
-    }
-    (diff / norm).sqrt() as f32
+/// What [`NpuDecoder::with_image_reuse`] keeps of the last encoded image.
+#[derive(Debug, Default)]
+struct ImageReuse {
+    /// Its prefix-cache key, once an image was described.
+    key: Option<u64>,
+    /// The first row past the pinned pages (or the image's first row when nothing is pinned),
+    /// and the image rows from there on: at most a page's worth, copied (and counted).
+    tail_from: usize,
+    tail: Vec<f32>,
 }
 
 impl DecoderStage for NpuDecoder {
@@ -1195,40 +1167,75 @@ impl DecoderStage for NpuDecoder {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, StageError> {
         let (tokens, first) = self.layout.tokens();
-        // The decoder's device reads the rows in place either way. It waits for the encoder in
-        // its own queue where it can (a GPU decoder importing the encoder's timeline); else
-        // here, once: the handoff's one host wait. Comparing frames needs the values here too.
-        let ready = image.ready.timeline_value();
-        let in_queue = self.skip_similar.is_none()
-            && ready
-                .as_ref()
-                .is_some_and(|(t, _)| self.decoder.device().waits_in_queue(&**t));
-        let (key, reused, host_waited) = if in_queue {
-            self.images += 1;
-            (self.images, false, false)
-        } else {
-            let ((key, reused), blocked) = image.read(|values| self.image_key(values))?;
-            (key, reused, blocked)
-        };
+        let hidden = self.decoder.config().hidden;
         // The repetition penalty and the drafts look at text, not at the image placeholders.
         let mut history: Vec<u32> = self.layout.before.clone();
         history.extend_from_slice(&self.layout.after);
+        let ready = image.ready.timeline_value();
+        let mut host_waited = false;
+        let splice = match (&self.reuse, image.unchanged) {
+            (
+                Some(ImageReuse {
+                    key: Some(key),
+                    tail_from,
+                    tail,
+                }),
+                true,
+            ) => {
+                // The image's pinned pages come from the cache, the rows after them from the
+                // kept tail: nothing of the image is read or prefilled.
+                crate::decoder::Splice {
+                    key_from: first,
+                    start: *tail_from,
+                    data: npu_hal::EmbeddingData::Host(tail),
+                    key: *key,
+                    ready: None,
+                }
+            }
+            (_, true) => {
+                return Err(
+                    "an unchanged frame with no image described before it to reuse (the \
+                     encoder's skip_similar needs the decoder's image reuse)"
+                        .into(),
+                );
+            }
+            (_, false) => {
+                self.images += 1;
+                if self.reuse.is_some() {
+                    // The last image's pages may go: this one replaces them.
+                    self.decoder.unpin()?;
+                }
+                // The decoder's device reads the rows in place. It waits for the encoder in
+                // its own queue where it can (a GPU decoder importing the encoder's timeline);
+                // else here, once: the handoff's one host wait.
+                let in_queue = ready
+                    .as_ref()
+                    .is_some_and(|(t, _)| self.decoder.device().waits_in_queue(&**t));
+                if !in_queue {
+                    host_waited = image.ready.wait(GPU_TIMEOUT)?;
+                }
+                crate::decoder::Splice {
+                    key_from: first,
+                    start: first,
+                    data: npu_hal::EmbeddingData::Unified {
+                        buffer: image.buffer,
+                        offset: 0,
+                        len: image.len,
+                    },
+                    key: self.images,
+                    ready: ready
+                        .as_ref()
+                        .filter(|_| in_queue)
+                        .map(|(t, v)| (&**t as &dyn sync_timeline::Timeline, *v)),
+                }
+            }
+        };
+        let key = splice.key;
         let prompt = crate::llm::Prompt {
             tokens: &tokens,
-            splice: Some(crate::decoder::Splice {
-                start: first,
-                data: npu_hal::EmbeddingData::Unified {
-                    buffer: image.buffer,
-                    offset: 0,
-                    len: image.len,
-                },
-                key,
-                ready: ready
-                    .as_ref()
-                    .filter(|_| in_queue)
-                    .map(|(t, v)| (&**t as &dyn sync_timeline::Timeline, *v)),
-            }),
+            splice: Some(splice),
             history: Some(&history),
+            pin: self.reuse.is_some(),
         };
         let mut stream = self.tokenizer.stream_decoder();
         let mut text_error = None;
@@ -1272,9 +1279,26 @@ impl DecoderStage for NpuDecoder {
         if let Some((drafter, _)) = self.drafter.as_mut() {
             drafter.remember(&reply_tokens);
         }
+        if let Some(reuse) = self.reuse.as_mut().filter(|_| !image.unchanged) {
+            // The rows past the pinned pages (a page at most, or the whole image when pruning
+            // left nothing pinned), for the next unchanged frame. The device is done with the
+            // buffer and the encoder's value was reached, so the read blocks nothing.
+            let rows = image.len / hidden;
+            let tail_from = self.decoder.pinned().clamp(first, first + rows);
+            let ((), _) = image.read(|values| {
+                reuse.tail.clear();
+                reuse
+                    .tail
+                    .extend_from_slice(&values[(tail_from - first) * hidden..]);
+            })?;
+            uvm_alloc::CopyLedger::global()
+                .stage("image-reuse-tail")
+                .record(std::mem::size_of_val(reuse.tail.as_slice()));
+            (reuse.key, reuse.tail_from) = (Some(key), tail_from);
+        }
         Ok(Generation {
             stats,
-            image_reused: reused,
+            image_reused: image.unchanged,
             host_waited,
         })
     }
@@ -1294,7 +1318,10 @@ impl DecoderStage for NpuDecoder {
         self.max_tokens = max_tokens.min(2);
         let result = (0..2).try_for_each(|_| self.describe(image, &mut |_| true).map(|_| ()));
         (self.max_tokens, self.drafter) = (max_tokens, drafter);
-        self.last_image = None;
+        if let Some(reuse) = self.reuse.as_mut() {
+            *reuse = ImageReuse::default();
+            self.decoder.unpin()?;
+        }
         result
     }
 }
