@@ -885,16 +885,15 @@ impl Decoder {
         Ok(())
     }
 
+    /// Tokens the current sequence holds in the KV cache: its length less what pruning
+    /// dropped.
+    pub fn cached_len(&self) -> usize {
+        self.kv.manager().len(self.seq).unwrap_or(0)
+    }
+
     /// Tokens [`Decoder::pin_prefix`] holds now.
     pub fn pinned(&self) -> usize {
         self.pinned
-    }
-
-    /// How many leading tokens of a forward of `tokens` (with `splice`'s rows named by its key)
-    /// into an empty sequence would come from the prefix cache now, with prefix reuse on.
-    pub fn cached_prefix(&self, tokens: &[u32], splice: Option<Splice<'_>>) -> usize {
-        let ids = Decoder::cache_ids(tokens, splice, self.config.hidden);
-        self.kv.manager().cached_prefix_len(&ids)
     }
 
     /// Appends `tokens` to the sequence and calls `on_logits(i, logits)` for every `i` in

@@ -374,9 +374,12 @@ pub struct Prompt<'a> {
     /// The tokens the repetition penalty and the drafter start from, when not `tokens` (a
     /// prompt with an image gives its text tokens).
     pub history: Option<&'a [u32]>,
-    /// Pin the prompt's K/V (its whole pages) once it is prefilled ([`Decoder::pin_prefix`]),
+    /// Pin the K/V prefilled so far (whole pages) once the prompt is in ([`Decoder::pin_prefix`]),
     /// so a later generation from the same prompt finds every page of it in the cache.
     pub pin: bool,
+    /// Append to the decoder's current sequence (a running conversation) instead of starting
+    /// a fresh one.
+    pub continues: bool,
 }
 
 impl<'a> Prompt<'a> {
@@ -387,6 +390,7 @@ impl<'a> Prompt<'a> {
             splice: None,
             history: None,
             pin: false,
+            continues: false,
         }
     }
 }
@@ -408,7 +412,9 @@ pub fn generate_from(
     let sampling_error = |e: npu_hal::sampling::SamplingError| DecodeError::Sampling(e.to_string());
     let mut state = grammar.map(|g| g.start());
     let mut sampler = Sampler::new(sampling).map_err(sampling_error)?;
-    decoder.reset()?;
+    if !prompt.continues {
+        decoder.reset()?;
+    }
     if let Some(s) = speculation.as_mut() {
         s.drafter.reset()?;
     }
@@ -432,7 +438,7 @@ pub fn generate_from(
     })?;
     stats.prefix_cached_tokens = decoder.prefix_reused();
     if prompt.pin {
-        decoder.pin_prefix(n)?;
+        decoder.pin_prefix(decoder.len())?;
     }
     let mut draft = Draft::default();
     let mut dist = Vec::new();

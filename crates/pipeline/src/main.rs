@@ -301,6 +301,11 @@ struct RunArgs {
     /// from that image's K/V, pinned in the KV cache, without prefilling the image again.
     #[arg(long, value_name = "THRESHOLD")]
     skip_similar: Option<f32>,
+    /// Describe every frame in one running conversation: each frame is a new turn after the
+    /// earlier replies, and with --kv-budget the KV cache stays within the budget however
+    /// long the stream runs.
+    #[arg(long)]
+    keep_context: bool,
     /// Keep each reply's KV cache within this many tokens by dropping whole pages.
     #[arg(long, value_name = "TOKENS")]
     kv_budget: Option<usize>,
@@ -363,6 +368,7 @@ impl RunArgs {
             draft: self.draft.clone(),
             draft_tokens: self.draft_tokens,
             skip_similar: self.skip_similar,
+            keep_context: self.keep_context.then_some(true),
             kv_budget: self.kv_budget,
             prune: self.prune.clone(),
             ..ChainSpec::default()

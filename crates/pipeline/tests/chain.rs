@@ -1145,3 +1145,76 @@ fn the_gpu_chain_skips_unchanged_frames_with_the_same_replies() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `keep_context`: every frame is a turn of one conversation. Without a budget the decoder's
+/// cache grows across frames and the conversation starts over when the context is full; with
+/// `kv_budget` it stays within the budget (whole pages dropped) for the whole stream.
+#[test]
+fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
+    let _ledger = ledger_lock();
+    let dir = tiny_vlm();
+    let run = |keep: bool, ctx: Option<usize>, budget: Option<usize>| {
+        let spec = ChainSpec {
+            source: Some("pattern:64x64@30".into()),
+            model: Some(dir.clone()),
+            vlm: Some(dir.clone()),
+            prompt: Some("What is in the image?".into()),
+            isp: Placement::Cpu,
+            encoder: Placement::Cpu,
+            max_frames: Some(12),
+            max_tokens: Some(8),
+            policy: Some("exact-f32".into()),
+            keep_context: keep.then_some(true),
+            ctx,
+            kv_budget: budget,
+            ..ChainSpec::default()
+        };
+        let built = build(&spec, true).unwrap();
+        let mut replies = vec![String::new(); 12];
+        let report = pipeline::chain::run(
+            built.chain,
+            &built.options,
+            Arc::new(AtomicBool::new(false)),
+            |e| {
+                if let Event::Text { frame, text } = e {
+                    replies[frame as usize].push_str(text);
+                }
+            },
+        )
+        .unwrap();
+        assert!(report.failure.is_none(), "{:?}", report.failure);
+        assert_eq!(report.frames_decoded, 12);
+        assert!(replies.iter().all(|r| !r.is_empty()), "{replies:?}");
+        report
+    };
+    let alone = run(false, None, None);
+    let kept = run(true, None, None);
+    eprintln!(
+        "KV tokens at a reply's end, at most: {} alone, {} in one conversation",
+        alone.kv_tokens_max, kept.kv_tokens_max
+    );
+    assert!(
+        kept.kv_tokens_max > 4 * alone.kv_tokens_max,
+        "the conversation did not keep the earlier frames: {} vs {}",
+        kept.kv_tokens_max,
+        alone.kv_tokens_max
+    );
+    assert_eq!(kept.context_restarts, 0);
+    // A context that holds about three turns: the conversation starts over, and never fails.
+    let short = run(true, Some(3 * alone.kv_tokens_max + 8), None);
+    assert!(short.context_restarts > 0, "{}", short.context_restarts);
+    // The budget holds for the whole stream, by dropping pages.
+    let budget = 64;
+    let budgeted = run(true, None, Some(budget));
+    assert!(budgeted.kv_pages_pruned > 0);
+    assert!(
+        budgeted.kv_tokens_max <= budget,
+        "{} cached tokens over a budget of {budget}",
+        budgeted.kv_tokens_max
+    );
+    assert_eq!(budgeted.context_restarts, 0);
+    let json = budgeted.to_json();
+    for key in ["kv_tokens_max", "context_restarts", "kv_pages_pruned"] {
+        assert!(json.get(key).is_some(), "stats JSON lacks {key}");
+    }
+}

@@ -170,9 +170,13 @@ pub struct ChainSpec {
     pub draft: Option<String>,
     /// The most tokens a step drafts (1 to 15, default 8).
     pub draft_tokens: Option<usize>,
-    /// Reuse the previous frame's K/V when the image embeddings' relative RMS difference from
-    /// it is at most this (e.g. 0.02); off when unset.
+    /// Skip encoding a frame whose ISP output moved by at most this relative RMS difference
+    /// from the last encoded frame's (e.g. 0.02), describing it from that image's pinned K/V;
+    /// off when unset.
     pub skip_similar: Option<f32>,
+    /// Describe every frame in one running conversation (each frame a new turn after the
+    /// earlier replies), kept within `kv_budget` when one is set.
+    pub keep_context: Option<bool>,
     /// Keep each reply's KV cache within this many tokens (`prune` picks which pages go).
     pub kv_budget: Option<usize>,
     /// `sinks` (default), `h2o` or `entropy`.
@@ -228,6 +232,7 @@ impl ChainSpec {
             draft,
             draft_tokens,
             skip_similar,
+            keep_context,
             kv_budget,
             prune,
             image_size
@@ -508,6 +513,22 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         spec.chat.unwrap_or(true),
         decoder.config().add_bos,
     )?;
+    let next_turn = match spec.keep_context {
+        Some(true) if spec.skip_similar.is_some() => {
+            return Err(
+                "keep_context and skip_similar do not combine: an unchanged frame is \
+                 described from its own image's K/V, which a running conversation has moved past"
+                    .into(),
+            );
+        }
+        Some(true) => Some(PromptLayout::next_turn(
+            &tokenizer,
+            spec.prompt.as_deref().unwrap_or("Describe the scene."),
+            encoder.image_tokens(),
+            spec.chat.unwrap_or(true),
+        )?),
+        _ => None,
+    };
     let grammar = crate::grammar::from_request(
         spec.regex.as_deref(),
         spec.json_schema.as_deref(),
@@ -553,6 +574,9 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
             return Err(format!("skip_similar {t}: use a finite threshold >= 0").into());
         }
         decoder = decoder.with_image_reuse();
+    }
+    if let Some(next) = next_turn {
+        decoder = decoder.with_kept_context(next);
     }
     Ok(Built {
         chain: Chain {

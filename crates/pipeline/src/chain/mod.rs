@@ -199,6 +199,10 @@ pub struct RunReport {
     pub frames_reused: u64,
     /// KV pages dropped by the decoder's budget (`kv_budget`).
     pub kv_pages_pruned: u64,
+    /// The most tokens the decoder's KV cache held for its sequence at the end of a reply.
+    pub kv_tokens_max: usize,
+    /// Times a running conversation (`keep_context`) started over for lack of context.
+    pub context_restarts: u64,
     pub stage_names: [String; 3],
     pub traces: Vec<TraceLog>,
     /// Set when the user stopped the run (Ctrl-C).
@@ -491,6 +495,8 @@ pub fn run(
                     report.prefix_cached_tokens += stats.prefix_cached_tokens as u64;
                     report.frames_reused += u64::from(generation.image_reused);
                     report.kv_pages_pruned += stats.kv_pages_pruned;
+                    report.kv_tokens_max = report.kv_tokens_max.max(generation.kv_tokens);
+                    report.context_restarts += u64::from(generation.context_restarted);
                     let n = report.frames_decoded;
                     record(
                         &mut report.ttft_ms,
@@ -1087,6 +1093,8 @@ impl RunReport {
             "prefix_cached_tokens": self.prefix_cached_tokens,
             "frames_reused": self.frames_reused,
             "kv_pages_pruned": self.kv_pages_pruned,
+            "kv_tokens_max": self.kv_tokens_max,
+            "context_restarts": self.context_restarts,
             "stages": {
                 "isp": self.stage_names[0],
                 "encoder": self.stage_names[1],

@@ -188,6 +188,11 @@ pub struct Generation {
     pub stats: crate::llm::GenerationStats,
     pub image_reused: bool,
     pub host_waited: bool,
+    /// Tokens the decoder's KV cache held for its sequence when the reply ended.
+    pub kv_tokens: usize,
+    /// A running conversation (`keep_context`) started over before this reply, because the
+    /// reply might not have fit the context.
+    pub context_restarted: bool,
 }
 
 /// An image's embeddings as the encoder left them: `len` f32 values from the start of
@@ -999,6 +1004,9 @@ impl EncoderStage for GpuEncoder {
     }
 }
 
+/// Stands for the image in a prompt's text until it is split around it.
+const IMAGE_MARK: &str = "\u{1}IMAGE\u{1}";
+
 /// Where the image goes in the prompt: `before`, then `image_rows` positions whose input rows
 /// are the image embeddings, then `after`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1024,14 +1032,52 @@ impl PromptLayout {
         chat: bool,
         add_bos: bool,
     ) -> Result<PromptLayout, StageError> {
-        const MARK: &str = "\u{1}IMAGE\u{1}";
-        let user = format!("{MARK}{prompt}");
+        let user = format!("{IMAGE_MARK}{prompt}");
         let text = match (chat, tokenizer.chat_template()) {
             (true, Some(_)) => tokenizer.apply_chat_template(&[("user", user.as_str())], true)?,
             _ => user,
         };
+        PromptLayout::from_text(tokenizer, &text, image_rows, add_bos)
+    }
+
+    /// The layout of the same question about a later image in one running conversation
+    /// (`keep_context`): what follows a reply, from the end of the assistant's turn to the next
+    /// generation prompt, as the chat template renders a second turn (no BOS); without a
+    /// template, the question on a new line.
+    pub fn next_turn(
+        tokenizer: &Tokenizer,
+        prompt: &str,
+        image_rows: usize,
+        chat: bool,
+    ) -> Result<PromptLayout, StageError> {
+        const REPLY: &str = "\u{2}REPLY\u{2}";
+        let user = format!("{IMAGE_MARK}{prompt}");
+        let text = match (chat, tokenizer.chat_template()) {
+            (true, Some(_)) => {
+                let turns = [
+                    ("user", user.as_str()),
+                    ("assistant", REPLY),
+                    ("user", user.as_str()),
+                ];
+                let all = tokenizer.apply_chat_template(&turns, true)?;
+                all.split_once(REPLY)
+                    .map(|(_, rest)| rest.to_string())
+                    .ok_or("the chat template dropped the assistant's message")?
+            }
+            _ => format!("\n{user}"),
+        };
+        PromptLayout::from_text(tokenizer, &text, image_rows, false)
+    }
+
+    /// `text` with the image mark where the image goes.
+    fn from_text(
+        tokenizer: &Tokenizer,
+        text: &str,
+        image_rows: usize,
+        add_bos: bool,
+    ) -> Result<PromptLayout, StageError> {
         let (a, b) = text
-            .split_once(MARK)
+            .split_once(IMAGE_MARK)
             .ok_or("the chat template dropped the user's message")?;
         let mut before = tokenizer.encode(a, add_bos)?;
         let mut after = tokenizer.encode(b, false)?;
@@ -1082,7 +1128,18 @@ pub struct NpuDecoder {
     grammar: Option<crate::grammar::Grammar>,
     drafter: Option<(Box<dyn crate::speculative::Drafter + Send>, usize)>,
     reuse: Option<ImageReuse>,
+    conversation: Option<Conversation>,
     images: u64,
+}
+
+/// One conversation across frames ([`NpuDecoder::with_kept_context`]).
+#[derive(Debug)]
+struct Conversation {
+    /// The turn about each later image.
+    next: PromptLayout,
+    /// The last reply's tokens the decoder did not feed (the one sampled when the reply hit
+    /// its length): they open the next turn.
+    unfed: Vec<u32>,
 }
 
 impl std::fmt::Debug for NpuDecoder {
@@ -1118,6 +1175,7 @@ impl NpuDecoder {
             grammar,
             drafter: None,
             reuse: None,
+            conversation: None,
             images: 0,
         }
     }
@@ -1129,6 +1187,19 @@ impl NpuDecoder {
         tokens: usize,
     ) -> NpuDecoder {
         self.drafter = Some((drafter, tokens));
+        self
+    }
+
+    /// Describes every frame in one running conversation: each image and question comes as
+    /// the next turn (`next`, [`PromptLayout::next_turn`]) after the replies before it, so the
+    /// replies see the earlier frames. With a KV budget ([`Decoder::set_pruning`]) the cache
+    /// stays within it however long the stream runs; the conversation starts over only when a
+    /// reply might not fit the context's positions.
+    pub fn with_kept_context(mut self, next: PromptLayout) -> NpuDecoder {
+        self.conversation = Some(Conversation {
+            next,
+            unfed: Vec::new(),
+        });
         self
     }
 
@@ -1166,7 +1237,30 @@ impl DecoderStage for NpuDecoder {
         image: EncodedImage<'_>,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation, StageError> {
-        let (tokens, first) = self.layout.tokens();
+        // A running conversation goes on with the next turn, after what the last reply left
+        // unfed; it starts over when the next reply might not fit the context.
+        let start_len = self.decoder.len();
+        let mut context_restarted = false;
+        let continues = match self.conversation.as_mut() {
+            Some(c) if start_len > 0 => {
+                let n = &c.next;
+                let turn = c.unfed.len() + n.before.len() + n.image_rows + n.after.len();
+                let fits = start_len + turn + self.max_tokens <= self.decoder.options().ctx;
+                if !fits {
+                    c.unfed.clear();
+                    context_restarted = true;
+                }
+                fits
+            }
+            _ => false,
+        };
+        let (tokens, first) = match self.conversation.as_ref().filter(|_| continues) {
+            Some(c) => {
+                let (turn, first) = c.next.tokens();
+                ([c.unfed.as_slice(), &turn].concat(), c.unfed.len() + first)
+            }
+            None => self.layout.tokens(),
+        };
         let hidden = self.decoder.config().hidden;
         // The repetition penalty and the drafts look at text, not at the image placeholders.
         let mut history: Vec<u32> = self.layout.before.clone();
@@ -1236,6 +1330,7 @@ impl DecoderStage for NpuDecoder {
             splice: Some(splice),
             history: Some(&history),
             pin: self.reuse.is_some(),
+            continues,
         };
         let mut stream = self.tokenizer.stream_decoder();
         let mut text_error = None;
@@ -1279,6 +1374,15 @@ impl DecoderStage for NpuDecoder {
         if let Some((drafter, _)) = self.drafter.as_mut() {
             drafter.remember(&reply_tokens);
         }
+        if let Some(c) = self.conversation.as_mut() {
+            // The token sampled last is not fed when the reply ends at its length.
+            let fed_from = if continues { start_len } else { 0 };
+            let expected = fed_from + tokens.len() + reply_tokens.len();
+            let missing = expected.saturating_sub(self.decoder.len());
+            c.unfed.clear();
+            c.unfed
+                .extend_from_slice(&reply_tokens[reply_tokens.len().saturating_sub(missing)..]);
+        }
         if let Some(reuse) = self.reuse.as_mut().filter(|_| !image.unchanged) {
             // The rows past the pinned pages (a page at most, or the whole image when pruning
             // left nothing pinned), for the next unchanged frame. The device is done with the
@@ -1300,6 +1404,8 @@ impl DecoderStage for NpuDecoder {
             stats,
             image_reused: image.unchanged,
             host_waited,
+            kv_tokens: self.decoder.cached_len(),
+            context_restarted,
         })
     }
 
@@ -1321,6 +1427,11 @@ impl DecoderStage for NpuDecoder {
         if let Some(reuse) = self.reuse.as_mut() {
             *reuse = ImageReuse::default();
             self.decoder.unpin()?;
+        }
+        if let Some(c) = self.conversation.as_mut() {
+            // The stream's conversation starts with its first frame.
+            c.unfed.clear();
+            self.decoder.reset()?;
         }
         result
     }
