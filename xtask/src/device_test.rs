@@ -263,6 +263,12 @@ const TESTS: &[HardwareTest] = &[
         "gpu_speculative_greedy_output_is_plain_greedy_output",
         &[Need::Vulkan],
     ),
+    in_ci(
+        "pipeline",
+        Target::Test("gpu_decoder"),
+        "gpu_decoder_prunes_with_sinks_as_the_cpu_does",
+        &[Need::Vulkan],
+    ),
 ];
 
 /// Whether the discovery `report` shows what `need` asks for; `Err` says why not.

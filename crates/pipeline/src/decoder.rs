@@ -357,6 +357,17 @@ pub enum PrunePolicy {
     Entropy,
 }
 
+impl PrunePolicy {
+    /// The name `--prune` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            PrunePolicy::Sinks => "sinks",
+            PrunePolicy::HeavyHitters => "h2o",
+            PrunePolicy::Entropy => "entropy",
+        }
+    }
+}
+
 impl std::str::FromStr for PrunePolicy {
     type Err = DecodeError;
 
@@ -735,16 +746,21 @@ impl Decoder {
     /// on counting, so the model sees the kept tokens where they were.
     ///
     /// # Errors
-    /// A budget under 4 pages (64 tokens) or over the context, or a GPU device (its kernels
-    /// find keys by position). Another device that cannot report attention refuses the
-    /// attention-ranked policies at the first submission.
+    /// A budget under 4 pages (64 tokens) or over the context, or a policy that ranks pages by
+    /// attention (`h2o`, `entropy`) on the GPU backend, whose kernels do not write their
+    /// attention back (`sinks` runs there). Another device that cannot report attention refuses
+    /// those policies at the first submission.
     pub fn set_pruning(&mut self, pruning: Option<Pruning>) -> Result<(), DecodeError> {
         let bt = self.kv.layout().block_tokens;
-        if pruning.is_some() && self.device.info().kind == npu_hal::DeviceKind::Gpu {
-            return Err(DecodeError::BadInput(
-                "a KV budget needs the CPU NPU: the GPU backend's attention finds keys by position, which pruning breaks"
-                    .into(),
-            ));
+        if let Some(p) = pruning
+            && p.policy != PrunePolicy::Sinks
+            && self.device.info().kind == npu_hal::DeviceKind::Gpu
+        {
+            return Err(DecodeError::BadInput(format!(
+                "--prune {}: the GPU backend's kernels do not write their attention back, \
+                 which this policy ranks pages by; use --prune sinks on the GPU, or the CPU NPU",
+                p.policy.name()
+            )));
         }
         if let Some(p) = pruning
             && (p.budget < 4 * bt || p.budget > self.options.ctx)

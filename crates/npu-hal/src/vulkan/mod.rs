@@ -1765,10 +1765,21 @@ impl VulkanNpu {
         words[7] = slots_at as u32;
         words[8] = table_at as u32;
         words[9] = splice_at;
+        words[10] = words[1];
         words.extend_from_slice(b.tokens);
         words.resize(slots_at, 0);
         // Only a program with attention reads slots and the block table.
         if let Some(kv) = kv.filter(|_| p.kv.is_some()) {
+            // The cache holds this batch already (appended by the caller); pruning may have
+            // dropped pages before it, so the batch's cache index can be below its position.
+            let held = kv.manager().len(b.seq)?;
+            words[10] = held
+                .checked_sub(n)
+                .and_then(|c| u32::try_from(c).ok())
+                .ok_or_else(|| Error::BadOp {
+                    op: 0,
+                    what: format!("a {n}-token batch in a sequence that holds {held} tokens"),
+                })?;
             let bt = kv.layout().block_tokens;
             for s in b.slots {
                 words.push(s.block * bt as u32 + s.offset);
@@ -2431,16 +2442,6 @@ impl VulkanNpu {
         }
         let kv: Option<&KvCache> = kv.map(|k| &*k);
         let has_attention = ops.iter().any(|o| matches!(o, Op::Attention { .. }));
-        if let Some(k) = kv.filter(|_| has_attention)
-            && k.manager().len(batch.seq)? != batch.first_pos + batch.tokens.len()
-        {
-            // The kernels find a query's keys by its position: a pruned cache holds fewer.
-            return Err(Error::Unsupported {
-                what: "attention over a pruned KV cache",
-                why: "the GPU kernels index the cache by position; run --kv-budget on the CPU NPU"
-                    .into(),
-            });
-        }
         let kv_key = match kv {
             Some(k) if has_attention => Some(self.mirror(k)?),
             _ => None,

@@ -1,5 +1,6 @@
 // Causal grouped-query attention of each batch row over its sequence's KV pages (read through
-// the block table in the step buffer), one workgroup per (row, query head). Each invocation
+// the block table in the step buffer), one workgroup per (row, query head). Keys are found by
+// their index in the cache (which KV pruning compacts), rotations use positions. Each invocation
 // takes every WG-th key and keeps its own online softmax (max m, sum l, output acc), so keys
 // are scored and folded in parallel, with no barrier per key; one reduction across the
 // workgroup merges the partial results at the end. The module declares HD (head_dim), WG,
@@ -53,6 +54,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let kvw = pc.kv_heads * HD;
     let kvh = h / (pc.q_heads / pc.kv_heads);
     let first = step_first_pos();
+    // The cache index of this batch's first key; key j of the cache is at position
+    // j + first - cached when it is in the batch.
+    let cached = step_first_cached();
     let qrow = row * qw + h * HD;
     if (ROPE_Q != 0u) {
         for (var i = lid; i < HD / 2u; i += WG) {
@@ -69,22 +73,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
     }
     workgroupBarrier();
-    let keys = first + row + 1u;
+    let keys = cached + row + 1u;
     var m = -3.0e38;
     var l = 0.0;
     var acc: array<f32, HD>;
     for (var j = lid; j < keys; j += WG) {
         var s = 0.0;
-        let in_batch = INBATCH != 0u && j >= first;
+        let in_batch = INBATCH != 0u && j >= cached;
         let block = step_block(j / pc.block_tokens);
         let token = j % pc.block_tokens;
-        let base = (j - min(j, first)) * kvw + kvh * HD;
+        let base = (j - min(j, cached)) * kvw + kvh * HD;
         if (in_batch) {
             for (var i = 0u; i < HD / 2u; i++) {
                 let ab = rope_pair(i);
                 var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
                 if (ROPE_K != 0u) {
-                    let cs = rope_cs(j, i);
+                    let cs = rope_cs(j - cached + first, i);
                     k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
                 }
                 k2 = as_stored(k2);

@@ -7,11 +7,14 @@
 //   8 offset of the sequence's block table
 //   9 where the spliced rows start in their buffer (f32 values; an imported unified buffer
 //     is read from there, the upload buffer from 0)
+//  10 the cache index of the batch's first token: its position less the tokens KV pruning
+//     dropped before it (equal to word 1 when nothing was pruned)
 // Everything else a kernel needs is fixed per op and recorded as immediates (push constants).
 @group(0) @binding(0) var<storage, read> step: array<u32>;
 
 fn step_n() -> u32 { return step[0u]; }
 fn step_first_pos() -> u32 { return step[1u]; }
+fn step_first_cached() -> u32 { return step[10u]; }
 fn step_token(row: u32) -> u32 { return step[step[6u] + row]; }
 fn step_slot(row: u32) -> u32 { return step[step[7u] + row]; }
 fn step_block(logical: u32) -> u32 { return step[step[8u] + logical]; }
