@@ -159,15 +159,20 @@ impl Clock {
         if self.announced.is_none() {
             self.announced = Some(pool.take()?);
         }
-        let (buffer, lease) = self.announced.clone().expect("set above");
-        Ok(Frame {
+        Ok(self.announced_frame(desc))
+    }
+
+    /// The frame `announced` holds (or will), as [`FrameSource::announce_next`] gives it.
+    fn announced_frame(&self, desc: FrameDesc) -> Frame {
+        let (buffer, lease) = self.announced.clone().expect("a frame is announced");
+        Frame {
             buffer,
             desc,
             timestamp: self.timestamp(self.next),
             sequence: self.next,
             ready: self.next + 1,
             lease,
-        })
+        }
     }
 
     /// Numbers, paces and announces a filled frame: the one way every source emits a frame.
@@ -510,7 +515,39 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
         Arc::clone(&self.clock.timeline)
     }
 
+    fn mirror_timeline(&mut self, mirror: Arc<dyn Timeline>) -> bool {
+        self.clock.mirror(mirror);
+        true
+    }
+
+    /// A file's next frame exists before it is due: it is read into its buffer now, and
+    /// [`FrameSource::next_frame`] delivers it (signals it) when it is due, as a camera's
+    /// capture would land.
+    fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
+        if self.clock.announced.is_none() {
+            match self.read_frame()? {
+                Some(filled) => self.clock.announced = Some(filled),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(self.clock.announced_frame(self.desc)))
+    }
+
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
+        let filled = match self.clock.announced.take() {
+            Some(filled) => filled,
+            None => match self.read_frame()? {
+                Some(filled) => filled,
+                None => return Ok(None),
+            },
+        };
+        Ok(Some(self.clock.deliver(filled, self.desc)?))
+    }
+}
+
+impl<R: BufRead + Send> Y4mSource<R> {
+    /// Reads the next frame of the file into a pool buffer; `None` at the end of the stream.
+    fn read_frame(&mut self) -> Result<Option<(Arc<UnifiedBuffer>, Lease)>, Error> {
         let frame = match self.decoder.read_frame() {
             Ok(f) => f,
             Err(y4m::Error::EOF) => {
@@ -555,7 +592,7 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
                     .map_err(Error::Memory)?;
             }
         }
-        Ok(Some(self.clock.deliver((buffer, lease), d)?))
+        Ok(Some((buffer, lease)))
     }
 }
 
@@ -676,7 +713,37 @@ impl FrameSource for ImageSource {
         Arc::clone(&self.clock.timeline)
     }
 
+    fn mirror_timeline(&mut self, mirror: Arc<dyn Timeline>) -> bool {
+        self.clock.mirror(mirror);
+        true
+    }
+
+    /// As a Y4M file's: the next image is decoded into its buffer now and signalled when due.
+    fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
+        if self.clock.announced.is_none() {
+            match self.read_frame()? {
+                Some(filled) => self.clock.announced = Some(filled),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(self.clock.announced_frame(self.desc())))
+    }
+
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
+        let filled = match self.clock.announced.take() {
+            Some(filled) => filled,
+            None => match self.read_frame()? {
+                Some(filled) => filled,
+                None => return Ok(None),
+            },
+        };
+        Ok(Some(self.clock.deliver(filled, self.desc())?))
+    }
+}
+
+impl ImageSource {
+    /// Decodes the next image into a pool buffer; `None` after the last.
+    fn read_frame(&mut self) -> Result<Option<(Arc<UnifiedBuffer>, Lease)>, Error> {
         let index = self.clock.next as usize;
         if index >= self.paths.len() {
             return Ok(None);
@@ -705,7 +772,7 @@ impl FrameSource for ImageSource {
                 .copy(w.bytes_mut().map_err(Error::Memory)?, img.as_raw())
                 .map_err(Error::Memory)?;
         }
-        Ok(Some(self.clock.deliver((buffer, lease), d)?))
+        Ok(Some((buffer, lease)))
     }
 }
 

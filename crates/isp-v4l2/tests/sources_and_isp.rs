@@ -180,6 +180,43 @@ fn y4m_files_decode_into_unified_buffers() {
     }
 }
 
+/// A Y4M file announces its next frame already read into its buffer; `next_frame` delivers that
+/// very frame (same buffer, sequence and `ready` value) and signals it only then; the end of
+/// the stream announces nothing.
+#[test]
+fn y4m_files_announce_their_next_frame_filled() {
+    let data = y4m_stream(16, 8, "420jpeg", 2);
+    let mut src = Y4mSource::new(Cursor::new(data), Pacing::AsFastAsPossible).unwrap();
+    let timeline = src.timeline();
+    for f in 0..2u64 {
+        let announced = src.announce_next().unwrap().expect("a frame is left");
+        // Asking again announces the same frame.
+        let again = src.announce_next().unwrap().unwrap();
+        assert!(std::sync::Arc::ptr_eq(&announced.buffer, &again.buffer));
+        assert_eq!((announced.sequence, announced.ready), (f, f + 1));
+        assert!(
+            timeline.value().unwrap() < announced.ready,
+            "signalled early"
+        );
+        let bytes = announced
+            .buffer
+            .cpu_access(0..announced.desc.byte_len(), Access::Read)
+            .unwrap()
+            .bytes()
+            .to_vec();
+        assert_eq!(
+            announced.desc.yuv_at(&bytes, 3, 0),
+            Some((19 + f as u8, 128, 128))
+        );
+        let delivered = src.next_frame().unwrap().unwrap();
+        assert!(std::sync::Arc::ptr_eq(&delivered.buffer, &announced.buffer));
+        assert_eq!((delivered.sequence, delivered.ready), (f, f + 1));
+        assert_eq!(timeline.value().unwrap(), f + 1);
+    }
+    assert!(src.announce_next().unwrap().is_none());
+    assert!(src.next_frame().unwrap().is_none());
+}
+
 #[test]
 fn bad_y4m_streams_are_clear_errors() {
     let mut truncated = y4m_stream(16, 8, "420jpeg", 1);

@@ -920,16 +920,28 @@ fn run_collecting_replies(
 }
 
 /// Ahead-of-time submission: with a real-time pattern (written when each frame is due, as a
-/// camera would), the GPU ISP's work for a frame is queued before the frame is written and
-/// waits on the GPU for the source's signal. The replies are the same as with the work
-/// submitted after each capture (`ahead: false`), frame for frame. Without the queue wait the
-/// ISP would read the pooled buffer's previous frame and the replies would differ (checked by
-/// hand when this was written), so the comparison is what tests the wait.
+/// camera would) and a real-time Y4M file (each frame read ahead, signalled when due), the GPU
+/// ISP's work for a frame is queued before the frame is delivered and waits on the GPU for the
+/// source's signal. The replies are the same as with the work submitted after each capture
+/// (`ahead: false`), frame for frame. Without the queue wait the ISP would read the pooled
+/// buffer's previous frame and the replies would differ (checked by hand when this was
+/// written), so the comparison is what tests the wait.
 #[test]
 fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
     let _ledger = ledger_lock();
+    let clip =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/clips/testsrc2-256x144.y4m");
+    for source in [
+        "pattern:320x240@30".to_string(),
+        format!("file:{}", clip.display()),
+    ] {
+        work_submitted_ahead_waits_for(&source);
+    }
+}
+
+fn work_submitted_ahead_waits_for(source: &str) {
     let run = |ahead: bool| {
-        let spec = ahead_spec("pattern:320x240@30", Placement::Gpu, 12, ahead);
+        let spec = ahead_spec(source, Placement::Gpu, 12, ahead);
         let built = match build(&spec, true) {
             Ok(b) => b,
             Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
@@ -950,13 +962,13 @@ fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
     let (behind, without) = run(false).unwrap();
     assert!(
         ahead > 0,
-        "no frame's work was submitted ahead of its capture"
+        "{source}: no frame's work was submitted ahead of its capture"
     );
     assert_eq!(behind, 0);
     assert_eq!(with.len(), 12);
     assert_eq!(
         with, without,
-        "the replies differ with work submitted ahead"
+        "{source}: the replies differ with work submitted ahead"
     );
 }
 
