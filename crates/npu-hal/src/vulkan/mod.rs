@@ -2729,6 +2729,9 @@ impl Drop for VulkanNpu {
         // destroy objects the GPU may still use).
         let idle = self.wait_all().is_ok();
         if !idle {
+            // The imported timelines too: a queue may still wait on them (the splice imports
+            // leak by themselves when not destroyed).
+            std::mem::forget(std::mem::take(&mut self.foreign_timelines));
             return;
         }
         for p in std::mem::take(&mut self.programs) {
