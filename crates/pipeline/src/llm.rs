@@ -498,14 +498,16 @@ pub fn generate_from(
             s.control.record(draft.tokens.len(), accepted);
             stats.draft.accepted += accepted;
         }
-        let Some(pending) = pending else {
-            break;
-        };
-        // Roll back the drafts after the first rejected one.
+        // Roll back the drafts after the first rejected one, also when the reply ends here
+        // (a stop token or the length inside the drafts): the sequence then holds exactly the
+        // prompt and the reply fed so far, which a continuing conversation builds on.
         let rejected = draft.tokens.len() - accepted;
         if rejected > 0 {
             decoder.truncate(decoder.len() - rejected)?;
         }
+        let Some(pending) = pending else {
+            break;
+        };
         draft.tokens.clear();
         draft.dists.clear();
         if let Some(s) = speculation.as_mut() {

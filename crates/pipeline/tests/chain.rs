@@ -1165,7 +1165,7 @@ fn the_gpu_chain_skips_unchanged_frames_with_the_same_replies() {
 fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
     let _ledger = ledger_lock();
     let dir = tiny_vlm();
-    let run = |keep: bool, ctx: Option<usize>, budget: Option<usize>| {
+    let run = |keep: bool, ctx: Option<usize>, budget: Option<usize>, draft: Option<&str>| {
         let spec = ChainSpec {
             source: Some("pattern:64x64@30".into()),
             model: Some(dir.clone()),
@@ -1179,6 +1179,7 @@ fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
             keep_context: keep.then_some(true),
             ctx,
             kv_budget: budget,
+            draft: draft.map(str::to_string),
             ..ChainSpec::default()
         };
         let built = build(&spec, true).unwrap();
@@ -1197,10 +1198,16 @@ fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
         assert!(report.failure.is_none(), "{:?}", report.failure);
         assert_eq!(report.frames_decoded, 12);
         assert!(replies.iter().all(|r| !r.is_empty()), "{replies:?}");
-        report
+        (report, replies)
     };
-    let alone = run(false, None, None);
-    let kept = run(true, None, None);
+    let (alone, _) = run(false, None, None, None);
+    let (kept, kept_replies) = run(true, None, None, None);
+    // Drafting keeps greedy output through the whole conversation.
+    let (_, drafted_replies) = run(true, None, None, Some("ngram"));
+    assert_eq!(
+        drafted_replies, kept_replies,
+        "drafting changed the conversation"
+    );
     eprintln!(
         "KV tokens at a reply's end, at most: {} alone, {} in one conversation",
         alone.kv_tokens_max, kept.kv_tokens_max
@@ -1213,11 +1220,11 @@ fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
     );
     assert_eq!(kept.context_restarts, 0);
     // A context that holds about three turns: the conversation starts over, and never fails.
-    let short = run(true, Some(3 * alone.kv_tokens_max + 8), None);
+    let (short, _) = run(true, Some(3 * alone.kv_tokens_max + 8), None, None);
     assert!(short.context_restarts > 0, "{}", short.context_restarts);
     // The budget holds for the whole stream, by dropping pages.
     let budget = 64;
-    let budgeted = run(true, None, Some(budget));
+    let (budgeted, _) = run(true, None, Some(budget), None);
     assert!(budgeted.kv_pages_pruned > 0);
     assert!(
         budgeted.kv_tokens_max <= budget,
