@@ -227,6 +227,12 @@ const TESTS: &[HardwareTest] = &[
         "unified_embeddings_are_read_in_place",
         &[Need::Vulkan],
     ),
+    in_ci(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "attention_statistics_match_the_cpu",
+        &[Need::Vulkan],
+    ),
     hw(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
@@ -266,7 +272,7 @@ const TESTS: &[HardwareTest] = &[
     in_ci(
         "pipeline",
         Target::Test("gpu_decoder"),
-        "gpu_decoder_prunes_with_sinks_as_the_cpu_does",
+        "gpu_decoder_prunes_under_every_policy_as_the_cpu_does",
         &[Need::Vulkan],
     ),
 ];

@@ -763,3 +763,79 @@ fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
         gpu.adapter()
     );
 }
+
+/// The attention statistics a pruning policy ranks pages by (`Submission::attention`): the GPU
+/// reports the mass each cached token received (summed over heads and queries), the last row's
+/// distribution and the query counts as the CPU NPU does, through a 100-token prefill (the
+/// paged kernel), a short batch and single steps (the in-batch kernel).
+#[test]
+fn attention_statistics_match_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut cpu = CpuNpu::new(CpuConfig {
+        threads: 2,
+        ..CpuConfig::default()
+    })
+    .expect("cpu");
+    let (mc, mg) = (
+        load(&mut cpu, Storage::F32, 11),
+        load(&mut gpu, Storage::F32, 11),
+    );
+    let mut trackers = Vec::new();
+    for (device, model) in [
+        (&mut cpu as &mut dyn Device, &mc),
+        (&mut gpu as &mut dyn Device, &mg),
+    ] {
+        let mut kv = kv_cache(PageDtype::F32);
+        let mut tracker = kv_paged::prune::AttentionTracker::new(LAYERS);
+        let mut pos = 0;
+        for chunk in chunks() {
+            let appended = kv.append(0, &chunk).expect("append");
+            device
+                .submit(Submission {
+                    ops: &model.body,
+                    batch: Batch {
+                        tokens: &chunk,
+                        first_pos: pos,
+                        seq: 0,
+                        slots: &appended.slots,
+                        select: 0..0,
+                        embeddings: None,
+                    },
+                    kv: Some(&mut kv),
+                    attention: Some(&mut tracker),
+                    wait: None,
+                    signal: None,
+                })
+                .expect("body");
+            pos += chunk.len();
+        }
+        trackers.push(tracker);
+    }
+    let (want, got) = (&trackers[0], &trackers[1]);
+    for layer in 0..LAYERS {
+        assert_eq!(
+            got.seen[layer], want.seen[layer],
+            "layer {layer}: query counts"
+        );
+        for (name, g, w) in [
+            ("mass", &got.mass[layer], &want.mass[layer]),
+            ("last", &got.last[layer], &want.last[layer]),
+        ] {
+            assert_eq!(g.len(), w.len(), "layer {layer} {name}: lengths");
+            let worst = g
+                .iter()
+                .zip(w.iter())
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 1e-3,
+                "layer {layer} {name}: the GPU's attention differs from the CPU's by {worst} (relative)"
+            );
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "device-test detail: attention statistics on {} match the CPU NPU's",
+        gpu.adapter()
+    );
+}

@@ -357,17 +357,6 @@ pub enum PrunePolicy {
     Entropy,
 }
 
-impl PrunePolicy {
-    /// The name `--prune` takes.
-    pub fn name(self) -> &'static str {
-        match self {
-            PrunePolicy::Sinks => "sinks",
-            PrunePolicy::HeavyHitters => "h2o",
-            PrunePolicy::Entropy => "entropy",
-        }
-    }
-}
-
 impl std::str::FromStr for PrunePolicy {
     type Err = DecodeError;
 
@@ -746,22 +735,11 @@ impl Decoder {
     /// on counting, so the model sees the kept tokens where they were.
     ///
     /// # Errors
-    /// A budget under 4 pages (64 tokens) or over the context, or a policy that ranks pages by
-    /// attention (`h2o`, `entropy`) on the GPU backend, whose kernels do not write their
-    /// attention back (`sinks` runs there). Another device that cannot report attention refuses
-    /// those policies at the first submission.
+    /// A budget under 4 pages (64 tokens) or over the context. A device that cannot report
+    /// attention refuses the policies that rank pages by it (`h2o`, `entropy`) at the first
+    /// submission; the CPU NPU and the GPU backend report it.
     pub fn set_pruning(&mut self, pruning: Option<Pruning>) -> Result<(), DecodeError> {
         let bt = self.kv.layout().block_tokens;
-        if let Some(p) = pruning
-            && p.policy != PrunePolicy::Sinks
-            && self.device.info().kind == npu_hal::DeviceKind::Gpu
-        {
-            return Err(DecodeError::BadInput(format!(
-                "--prune {}: the GPU backend's kernels do not write their attention back, \
-                 which this policy ranks pages by; use --prune sinks on the GPU, or the CPU NPU",
-                p.policy.name()
-            )));
-        }
         if let Some(p) = pruning
             && (p.budget < 4 * bt || p.budget > self.options.ctx)
         {

@@ -210,68 +210,72 @@ fn gpu_speculative_greedy_output_is_plain_greedy_output() {
     );
 }
 
-/// A KV budget on the GPU backend: `--prune sinks` drops the same pages as on the CPU NPU, the
-/// cache stays within the budget while positions go on, and the logits follow the CPU's (the
-/// attention kernels find keys by their index in the compacted cache, rotations by position).
-/// The attention-ranked policies are refused by name: the GPU kernels do not report attention.
+/// A KV budget on the GPU backend, under each policy: the cache stays within the budget while
+/// positions go on, the same pages are dropped as on the CPU NPU, and the logits follow the
+/// CPU's. The attention kernels find keys by their index in the compacted cache and rotate by
+/// position; for `h2o` and `entropy` they report the attention each cached token received
+/// (`Submission::attention`), which ranks the pages.
 #[test]
-fn gpu_decoder_prunes_with_sinks_as_the_cpu_does() {
+fn gpu_decoder_prunes_under_every_policy_as_the_cpu_does() {
     use pipeline::decoder::{PrunePolicy, Pruning};
-    let Some(device) = gpu() else { return };
     let path = fixture("tiny.gguf");
     let options = DecoderOptions {
         ctx: 256,
         ..options("exact-f32", PageDtype::F32)
     };
-    let mut cpu = pipeline::llm::open_decoder(&path, options.clone(), 2)
-        .unwrap()
-        .0;
-    let mut gpu = pipeline::llm::open_decoder_on(&path, options, device)
-        .unwrap()
-        .0;
-    let err = gpu
-        .set_pruning(Some(Pruning {
-            budget: 64,
-            policy: PrunePolicy::HeavyHitters,
-        }))
-        .unwrap_err();
-    assert!(err.to_string().contains("--prune h2o"), "{err}");
     let text: Vec<u32> = (0..200u32).map(|i| 1 + (i * 37 + i / 7) % 300).collect();
-    let mut runs = Vec::new();
-    for d in [&mut cpu, &mut gpu] {
-        d.set_pruning(Some(Pruning {
-            budget: 64,
-            policy: PrunePolicy::Sinks,
-        }))
-        .unwrap();
-        d.reset().unwrap();
-        let mut logits = Vec::new();
-        // A prompt past the budget (a forward in steps of an eighth of it), then one by one.
-        d.forward(&text[..150], 149..150, |_, l| logits.extend_from_slice(l))
-            .unwrap();
-        for &t in &text[150..] {
-            logits.extend(d.forward_last(&[t]).unwrap());
-            assert!(d.cached_len() <= 64, "{} tokens cached", d.cached_len());
+    for policy in [
+        PrunePolicy::Sinks,
+        PrunePolicy::HeavyHitters,
+        PrunePolicy::Entropy,
+    ] {
+        let Some(device) = gpu() else { return };
+        let mut cpu = pipeline::llm::open_decoder(&path, options.clone(), 2)
+            .unwrap()
+            .0;
+        let mut gpu = pipeline::llm::open_decoder_on(&path, options.clone(), device)
+            .unwrap()
+            .0;
+        let mut runs = Vec::new();
+        for d in [&mut cpu, &mut gpu] {
+            d.set_pruning(Some(Pruning { budget: 64, policy })).unwrap();
+            d.reset().unwrap();
+            let mut logits = Vec::new();
+            // A prompt past the budget (a forward in steps of an eighth of it), then one by
+            // one.
+            d.forward(&text[..150], 149..150, |_, l| logits.extend_from_slice(l))
+                .unwrap();
+            for &t in &text[150..] {
+                logits.extend(d.forward_last(&[t]).unwrap());
+                assert!(d.cached_len() <= 64, "{} tokens cached", d.cached_len());
+            }
+            assert_eq!(d.len(), 200, "positions go on counting");
+            let table = d
+                .kv()
+                .manager()
+                .block_table(d.kv().manager().sequences().next().unwrap())
+                .unwrap()
+                .len();
+            runs.push((logits, d.pages_pruned(), table));
         }
-        assert_eq!(d.len(), 200, "positions go on counting");
-        runs.push((logits, d.pages_pruned()));
+        let (want, cpu_pruned, cpu_table) = &runs[0];
+        let (got, gpu_pruned, gpu_table) = &runs[1];
+        assert_eq!(
+            cpu_pruned, gpu_pruned,
+            "{policy:?}: different numbers of pages dropped"
+        );
+        assert_eq!(cpu_table, gpu_table, "{policy:?}");
+        assert!(*gpu_pruned >= (200 - 64) / 16, "{gpu_pruned} pages pruned");
+        let (max, mean) = errors(got, want);
+        let _ = writeln!(
+            std::io::stderr(),
+            "device-test detail: tiny.gguf exact-f32 --kv-budget 64 --prune {policy:?} on {}: \
+             max error {max:.2e}, mean {mean:.2e} (of max |logit|), {gpu_pruned} pages pruned",
+            gpu.device().info().name
+        );
+        assert!(
+            max <= 1e-4,
+            "{policy:?}: pruned GPU logits differ from the CPU's by up to {max}"
+        );
     }
-    let (want, cpu_pruned) = &runs[0];
-    let (got, gpu_pruned) = &runs[1];
-    assert_eq!(
-        cpu_pruned, gpu_pruned,
-        "the devices dropped different pages"
-    );
-    assert!(*gpu_pruned >= (200 - 64) / 16, "{gpu_pruned} pages pruned");
-    let (max, mean) = errors(got, want);
-    let _ = writeln!(
-        std::io::stderr(),
-        "device-test detail: tiny.gguf exact-f32 --kv-budget 64 --prune sinks on {}: max error \
-         {max:.2e}, mean {mean:.2e} (of max |logit|), {gpu_pruned} pages pruned",
-        gpu.device().info().name
-    );
-    assert!(
-        max <= 1e-4,
-        "pruned GPU logits differ from the CPU's by up to {max}"
-    );
 }

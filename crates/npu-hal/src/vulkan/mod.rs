@@ -269,6 +269,10 @@ struct Program {
     /// from `splice_pool` (made on first use).
     splice_sets: Vec<(u32, vk::DescriptorSet)>,
     splice_pool: vk::DescriptorPool,
+    /// The attention statistics its attention dispatches add to (`Submission::attention`):
+    /// `[layer][mass | last][keys]` f32, zeroed at the start of every run, and the keys'
+    /// stride. A program built without them has none.
+    stats: Option<(GpuBuffer, usize)>,
     pool: vk::DescriptorPool,
     dispatches: Vec<Dispatch>,
     /// Command buffers by (tokens, selected rows, splice source), the first two rounded up to
@@ -859,14 +863,19 @@ impl VulkanNpu {
         Ok(())
     }
 
-    fn find_program(&self, ops: &[Op], kv: Option<KvKey>) -> Option<usize> {
+    fn find_program(&self, ops: &[Op], kv: Option<KvKey>, stats: bool) -> Option<usize> {
         self.programs
             .iter()
-            .position(|p| p.kv == kv && p.ops == ops)
+            .position(|p| p.kv == kv && p.stats.is_some() == stats && p.ops == ops)
     }
 
     /// Builds a program: its step buffer, descriptor sets and dispatch list.
-    fn build_program(&mut self, ops: &[Op], kv: Option<KvKey>) -> Result<Program, Error> {
+    fn build_program(
+        &mut self,
+        ops: &[Op],
+        kv: Option<KvKey>,
+        stats: bool,
+    ) -> Result<Program, Error> {
         // Room for every row any tensor of the program holds.
         let mut rows = 1;
         let mut splice_width = None;
@@ -900,12 +909,13 @@ impl VulkanNpu {
             embed: None,
             splice_sets: Vec::new(),
             splice_pool: vk::DescriptorPool::null(),
+            stats: None,
             pool: vk::DescriptorPool::null(),
             dispatches: Vec::new(),
             recorded: HashMap::new(),
             last: 0,
         };
-        match self.fill_program(&mut program, splice_width) {
+        match self.fill_program(&mut program, splice_width, stats) {
             Ok(()) => Ok(program),
             Err(e) => {
                 self.destroy_program(program);
@@ -914,10 +924,33 @@ impl VulkanNpu {
         }
     }
 
-    fn fill_program(&mut self, p: &mut Program, splice_width: Option<usize>) -> Result<(), Error> {
+    fn fill_program(
+        &mut self,
+        p: &mut Program,
+        splice_width: Option<usize>,
+        stats: bool,
+    ) -> Result<(), Error> {
         if let Some(width) = splice_width {
             let bytes = (p.rows * width * 4) as u64;
             p.splice = Some((self.ctx.buffer(bytes, Memory::Upload)?, width));
+        }
+        if stats {
+            let Some(k) = p.kv else {
+                return Err(Error::BadOp {
+                    op: 0,
+                    what: "attention statistics for a program with no attention".into(),
+                });
+            };
+            let keys = k.blocks * k.layout.block_tokens;
+            let bytes = k
+                .layout
+                .layers
+                .checked_mul(2 * keys * 4)
+                .filter(|&b| b as u64 <= u64::from(self.ctx.max_storage_range))
+                .ok_or(Error::Limit {
+                    what: "attention statistics (layers x 2 x cached tokens x 4 bytes)",
+                })?;
+            p.stats = Some((self.ctx.buffer(bytes as u64, Memory::Readback)?, keys));
         }
         // Two dispatches at most per op, five bindings at most per dispatch.
         let sets = 2 * p.ops.len() as u32;
@@ -1384,6 +1417,7 @@ impl VulkanNpu {
             })?;
         // MX pages are read back from the pages (this kernel does not round to MX blocks).
         let in_batch = !matches!(kvf, KvFormat::Mx(_));
+        let stats = p.stats.as_ref().map(|(b, _)| b.raw);
         let kernel = Kernel::Attention {
             kv: kvf,
             head_dim: hd,
@@ -1392,8 +1426,9 @@ impl VulkanNpu {
             rope_q: q_rope.is_some(),
             rope_k: k_rope.is_some(),
             in_batch,
+            stats: stats.is_some(),
         };
-        let bufs = [
+        let mut bufs = vec![
             step,
             t(self, q),
             pages,
@@ -1403,6 +1438,7 @@ impl VulkanNpu {
             t(self, v),
             freqs,
         ];
+        bufs.extend(stats);
         // Earlier positions' pages come from earlier submissions (ordered by the barrier that
         // opens every command buffer); this batch's come from k and v when `in_batch`.
         let reads = if in_batch {
@@ -1425,6 +1461,7 @@ impl VulkanNpu {
             rope_q: q_rope.is_some(),
             rope_k: false,
             in_batch: false,
+            stats: stats.is_some(),
         };
         let grid = Grid::Attention {
             heads: q_heads as u32,
@@ -1578,6 +1615,12 @@ impl VulkanNpu {
             // SAFETY: as above.
             unsafe { d.cmd_write_timestamp(cb, vk::PipelineStageFlags::TOP_OF_PIPE, pool, 0) };
         }
+        if let Some((stats, _)) = &self.programs[pi].stats {
+            // Every run adds its own statistics to zeros (ordered before the dispatches by the
+            // barrier below).
+            // SAFETY: recording; a transfer-destination buffer of this device, whole size.
+            unsafe { d.cmd_fill_buffer(cb, stats.raw, 0, vk::WHOLE_SIZE, 0) };
+        }
         // Earlier submissions and host writes of the step buffer come before everything here.
         full_barrier(&d, cb);
         let mut written: Vec<Resource> = Vec::new();
@@ -1703,6 +1746,9 @@ impl VulkanNpu {
         if let Some((b, _)) = p.splice {
             self.ctx.destroy(b);
         }
+        if let Some((b, _)) = p.stats {
+            self.ctx.destroy(b);
+        }
     }
 
     /// Writes the step values of `batch` (and its spliced rows) into program `pi`'s buffers.
@@ -1766,6 +1812,7 @@ impl VulkanNpu {
         words[8] = table_at as u32;
         words[9] = splice_at;
         words[10] = words[1];
+        words[11] = p.stats.as_ref().map_or(0, |&(_, keys)| keys as u32);
         words.extend_from_slice(b.tokens);
         words.resize(slots_at, 0);
         // Only a program with attention reads slots and the block table.
@@ -2428,12 +2475,6 @@ impl VulkanNpu {
             wait,
             signal,
         } = s;
-        if attention.is_some() {
-            return Err(Error::Unsupported {
-                what: "attention statistics (KV pruning by h2o or entropy)",
-                why: "the GPU kernels do not write their attention probabilities back".into(),
-            });
-        }
         if batch.tokens.is_empty() {
             return Err(Error::BadOp {
                 op: 0,
@@ -2476,10 +2517,11 @@ impl VulkanNpu {
                 }
             }
         }
-        let pi = match self.find_program(ops, kv_key) {
+        let stats = attention.is_some();
+        let pi = match self.find_program(ops, kv_key, stats) {
             Some(i) => i,
             None => {
-                let p = self.build_program(ops, kv_key)?;
+                let p = self.build_program(ops, kv_key, stats)?;
                 self.programs.push(p);
                 self.programs.len() - 1
             }
@@ -2564,9 +2606,51 @@ impl VulkanNpu {
                     kernels,
                 });
         }
+        if let Some(tracker) = attention {
+            // The statistics are read once the run is done (a host wait), before any signal
+            // says it is.
+            self.wait_done(value)?;
+            self.read_attention(pi, ops, &batch, kv, tracker)?;
+        }
         if let Some((t, v)) = host_signal {
             self.wait_done(value)?;
             t.signal(v)?;
+        }
+        Ok(())
+    }
+
+    /// Adds program `pi`'s attention statistics from its last (completed) run to `tracker`,
+    /// per attention op's layer, over the sequence's cached tokens.
+    fn read_attention(
+        &self,
+        pi: usize,
+        ops: &[Op],
+        batch: &Batch<'_>,
+        kv: Option<&KvCache>,
+        tracker: &mut kv_paged::prune::AttentionTracker,
+    ) -> Result<(), Error> {
+        let (Some((stats, keys)), Some(kv)) = (&self.programs[pi].stats, kv) else {
+            return Err(Error::BadOp {
+                op: 0,
+                what: "attention statistics asked of a program with no attention over a cache"
+                    .into(),
+            });
+        };
+        let len = kv.manager().len(batch.seq)?;
+        if len > *keys {
+            return Err(Error::Limit {
+                what: "cached tokens past the attention statistics' room",
+            });
+        }
+        let (mut mass, mut last) = (vec![0f32; len], vec![0f32; len]);
+        for op in ops {
+            let Op::Attention { layer, .. } = *op else {
+                continue;
+            };
+            let at = layer * 2 * keys * 4;
+            stats.read(at, bytemuck::cast_slice_mut(&mut mass))?;
+            stats.read(at + keys * 4, bytemuck::cast_slice_mut(&mut last))?;
+            tracker.accumulate(layer, batch.tokens.len(), &mass, &last)?;
         }
         Ok(())
     }

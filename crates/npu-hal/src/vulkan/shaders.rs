@@ -30,6 +30,10 @@ const ROPE_ANGLE: &str = include_str!("shaders/rope_angle.wgsl");
 const KV_COMMON: &str = include_str!("shaders/kv_common.wgsl");
 const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+const ATTENTION_STATS: &str = include_str!("shaders/attention_stats.wgsl");
+/// The attention module's `record_stats` when it keeps no statistics.
+const NO_ATTENTION_STATS: &str = "fn record_stats(row: u32, keys: u32, mx: f32, total: f32, \
+     lid: u32, first: u32, cached: u32, kvh: u32, kvw: u32) {}\n";
 const ROTATE: &str = include_str!("shaders/rotate.wgsl");
 
 /// How a weight matrix is stored on the GPU (see `shaders/weights.wgsl`).
@@ -148,7 +152,9 @@ pub(crate) enum Kernel {
     /// Attention for one head size, `workgroup` invocations per (row, head); `rope` is the
     /// pairing (0 none, 1 interleaved, 2 half-split) of the rotary embeddings folded in, of q
     /// (`rope_q`) and of this batch's keys (`rope_k`); `in_batch` reads this batch's keys and
-    /// values from the k and v tensors rather than from the pages.
+    /// values from the k and v tensors rather than from the pages; `stats` also adds every
+    /// key's probability to the attention statistics buffer (binding 8,
+    /// `shaders/attention_stats.wgsl`).
     Attention {
         kv: KvFormat,
         head_dim: u32,
@@ -157,6 +163,7 @@ pub(crate) enum Kernel {
         rope_q: bool,
         rope_k: bool,
         in_batch: bool,
+        stats: bool,
     },
 }
 
@@ -167,7 +174,7 @@ impl Kernel {
             Kernel::Rope => 3,
             Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu => 4,
             Kernel::Embed { .. } | Kernel::KvWrite { .. } => 5,
-            Kernel::Attention { .. } => 8,
+            Kernel::Attention { stats, .. } => 8 + u32::from(stats),
             Kernel::Gemv { .. } | Kernel::Gemm { .. } | Kernel::Rotate { .. } => 6,
         }
     }
@@ -264,9 +271,17 @@ impl Kernel {
                 rope_q,
                 rope_k,
                 in_batch,
-            } => attention(
-                &mut s, kv, head_dim, workgroup, rope, rope_q, rope_k, in_batch,
-            ),
+                stats,
+            } => {
+                attention(
+                    &mut s, kv, head_dim, workgroup, rope, rope_q, rope_k, in_batch,
+                );
+                s.push_str(if stats {
+                    ATTENTION_STATS
+                } else {
+                    NO_ATTENTION_STATS
+                });
+            }
         }
         s
     }
@@ -527,7 +542,9 @@ mod tests {
             for (head_dim, workgroup) in [(32, 64), (64, 64), (64, 32), (128, 32), (256, 16)] {
                 for (rope, rope_q, rope_k) in [(0, false, false), (1, true, true), (2, true, false)]
                 {
-                    for in_batch in [false, true] {
+                    for (in_batch, stats) in
+                        [(false, false), (true, false), (false, true), (true, true)]
+                    {
                         kernels.push(Kernel::Attention {
                             kv,
                             head_dim,
@@ -536,6 +553,7 @@ mod tests {
                             rope_q,
                             rope_k,
                             in_batch,
+                            stats,
                         });
                     }
                 }

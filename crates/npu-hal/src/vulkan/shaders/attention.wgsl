@@ -43,6 +43,35 @@ fn as_stored(x: vec2<f32>) -> vec2<f32> {
     return x;
 }
 
+// The scaled score of cache key `j` against the query in `qs`: from the k tensor when the key
+// is this batch's (`in_batch`, rotated here with ROPE_K), else from its page.
+fn key_score(j: u32, first: u32, cached: u32, kvh: u32, kvw: u32) -> f32 {
+    var s = 0.0;
+    let in_batch = INBATCH != 0u && j >= cached;
+    let block = step_block(j / pc.block_tokens);
+    let token = j % pc.block_tokens;
+    let base = (j - min(j, cached)) * kvw + kvh * HD;
+    if (in_batch) {
+        for (var i = 0u; i < HD / 2u; i++) {
+            let ab = rope_pair(i);
+            var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
+            if (ROPE_K != 0u) {
+                let cs = rope_cs(j - cached + first, i);
+                k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
+            }
+            k2 = as_stored(k2);
+            s += qs[ab.x] * k2.x + qs[ab.y] * k2.y;
+        }
+    } else {
+        let kp = kv_page(block, 0u, kvh);
+        for (var p = 0u; p < HD / 2u; p++) {
+            let k2 = kv_pair(kp, token, p);
+            s += qs[2u * p] * k2.x + qs[2u * p + 1u] * k2.y;
+        }
+    }
+    return s;
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let row = wg.x;
@@ -78,29 +107,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     var l = 0.0;
     var acc: array<f32, HD>;
     for (var j = lid; j < keys; j += WG) {
-        var s = 0.0;
+        let s = key_score(j, first, cached, kvh, kvw);
         let in_batch = INBATCH != 0u && j >= cached;
         let block = step_block(j / pc.block_tokens);
         let token = j % pc.block_tokens;
         let base = (j - min(j, cached)) * kvw + kvh * HD;
-        if (in_batch) {
-            for (var i = 0u; i < HD / 2u; i++) {
-                let ab = rope_pair(i);
-                var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
-                if (ROPE_K != 0u) {
-                    let cs = rope_cs(j - cached + first, i);
-                    k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
-                }
-                k2 = as_stored(k2);
-                s += qs[ab.x] * k2.x + qs[ab.y] * k2.y;
-            }
-        } else {
-            let kp = kv_page(block, 0u, kvh);
-            for (var p = 0u; p < HD / 2u; p++) {
-                let k2 = kv_pair(kp, token, p);
-                s += qs[2u * p] * k2.x + qs[2u * p + 1u] * k2.y;
-            }
-        }
         let m_new = max(m, s);
         let corr = exp(m - m_new);
         let e = exp(s - m_new);
@@ -142,4 +153,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         out[qrow + d] = o / total;
     }
+    // The stats variant adds each key's probability to the program's attention statistics
+    // (the other variants' record_stats is empty).
+    record_stats(row, keys, mx, total, lid, first, cached, kvh, kvw);
 }

@@ -9,6 +9,7 @@
 //     is read from there, the upload buffer from 0)
 //  10 the cache index of the batch's first token: its position less the tokens KV pruning
 //     dropped before it (equal to word 1 when nothing was pruned)
+//  11 the attention statistics' keys per layer and kind (programs that keep them)
 // Everything else a kernel needs is fixed per op and recorded as immediates (push constants).
 @group(0) @binding(0) var<storage, read> step: array<u32>;
 
