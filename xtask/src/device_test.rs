@@ -626,11 +626,20 @@ fn execute(planned: &Planned, timeout: Duration) -> Result<String, String> {
     if status.success() {
         return Err("the test did not run (renamed or filtered out?)".into());
     }
-    let tail: Vec<&str> = stderr
-        .lines()
-        .chain(stdout.lines())
-        .filter(|l| l.contains("panicked") || l.contains("error") || l.contains("FAILED"))
-        .take(4)
+    // A panic's message is the line after its "panicked at": kept with it, so the report
+    // says what failed, not only where.
+    let lines: Vec<&str> = stderr.lines().chain(stdout.lines()).collect();
+    let tail: Vec<&str> = lines
+        .iter()
+        .enumerate()
+        .filter(|(i, l)| {
+            l.contains("panicked")
+                || l.contains("error")
+                || l.contains("FAILED")
+                || (*i > 0 && lines[i - 1].contains("panicked"))
+        })
+        .map(|(_, l)| *l)
+        .take(5)
         .collect();
     Err(if tail.is_empty() {
         format!("exited with {status}")
