@@ -60,6 +60,10 @@ struct HardwareTest {
     needs: &'static [Need],
     /// Ignored unless a device is there (`--ignored`), or run everywhere a driver exists.
     ignored: bool,
+    /// Run in the VM lab's guest too. Off for GPU tests with no kernel driver in their path
+    /// (host memory on lavapipe): the guest would only repeat the host's run, on the same
+    /// lavapipe under emulated CPUs, which took most of the lab's time.
+    in_vm: bool,
 }
 
 /// A hardware test that also runs in CI's ordinary `cargo test` (lavapipe): listed so a device
@@ -76,6 +80,19 @@ const fn in_ci(
     }
 }
 
+/// An [`in_ci`] GPU test that the VM lab skips (see [`HardwareTest::in_vm`]).
+const fn host_gpu(
+    package: &'static str,
+    target: Target,
+    name: &'static str,
+    needs: &'static [Need],
+) -> HardwareTest {
+    HardwareTest {
+        in_vm: false,
+        ..in_ci(package, target, name, needs)
+    }
+}
+
 const fn hw(
     package: &'static str,
     target: Target,
@@ -88,6 +105,7 @@ const fn hw(
         name,
         needs,
         ignored: true,
+        in_vm: true,
     }
 }
 
@@ -191,43 +209,43 @@ const TESTS: &[HardwareTest] = &[
         &[Need::VulkanCoopMatrix],
     ),
     // The decoder on npu-hal's GPU backend against the CPU NPU.
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "mx_weights_match_the_cpu",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "dense_and_ggml_weights_match_the_cpu",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "every_kv_dtype_matches_the_cpu",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "block_rotated_mx_weights_match_the_cpu",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "the_gpu_rotates_activations_with_the_cpus_bits",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "unified_embeddings_are_read_in_place",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
         "attention_statistics_match_the_cpu",
@@ -251,25 +269,25 @@ const TESTS: &[HardwareTest] = &[
         "the_gpu_decoder_waits_for_the_encoder_in_its_queue",
         &[Need::VulkanTimelineExport],
     ),
-    in_ci(
+    host_gpu(
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_decoder_logits_match_the_cpu_on_tiny_llama",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_decoder_greedy_ids_agree_with_the_cpu",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_speculative_greedy_output_is_plain_greedy_output",
         &[Need::Vulkan],
     ),
-    in_ci(
+    host_gpu(
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_decoder_prunes_under_every_policy_as_the_cpu_does",
@@ -393,9 +411,20 @@ pub(crate) fn run(root: &Path, options: &Options) -> Result<(), Box<dyn std::err
     let target = root.join("target");
     std::fs::create_dir_all(&target)?;
     let (environment, report, results) = if options.vm {
+        let (in_vm, host_only): (Vec<Planned>, Vec<Planned>) =
+            plan.into_iter().partition(|p| p.test.in_vm);
         let lab = crate::vm::Lab::prepare(root)?;
-        let out = lab.run_plan(&plan_json(&plan, options.test_timeout))?;
-        let results = merge_guest_results(&plan, &out.results);
+        let out = lab.run_plan(&plan_json(&in_vm, options.test_timeout))?;
+        let mut results = merge_guest_results(&in_vm, &out.results);
+        results.extend(host_only.iter().map(|p| {
+            result_json(
+                &p.test,
+                "skipped",
+                "not run in the VM lab: no kernel driver in its path, and the host runs it on \
+                 the same lavapipe",
+                0.0,
+            )
+        }));
         (out.environment, out.devices, results)
     } else {
         let report = crate::devices::probe();
@@ -409,8 +438,12 @@ pub(crate) fn run(root: &Path, options: &Options) -> Result<(), Box<dyn std::err
     };
     write_report(&target, &environment, &report, &results)?;
     let count = |s: &str| results.iter().filter(|r| r["status"] == s).count();
+    let skipped = match count("skipped") {
+        0 => String::new(),
+        n => format!(", {n} skipped in the VM (host-only GPU tests)"),
+    };
     println!(
-        "\n{} passed, {} failed, {} unsupported; report in target/device-report.json and .md",
+        "\n{} passed, {} failed, {} unsupported{skipped}; report in target/device-report.json and .md",
         count("passed"),
         count("failed"),
         count("unsupported")
