@@ -40,6 +40,19 @@ fn ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
+/// The chain `spec` describes, or `None` (with a visible skip) where no Vulkan adapter exists
+/// outside CI; CI must have one.
+fn build_gpu(spec: &ChainSpec) -> Option<pipeline::chain::builder::Built> {
+    match build(spec, true) {
+        Ok(b) => Some(b),
+        Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
+            eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 /// Source -> GPU ISP -> GPU encoder -> decoder over unified memory: every frame reaches the
 /// decoder and the copy ledger records nothing.
 #[test]
@@ -59,13 +72,8 @@ fn the_gpu_chain_decodes_every_sampled_frame_with_zero_copies() {
         policy: Some("exact-f32".into()),
         ..ChainSpec::default()
     };
-    let built = match build(&spec, true) {
-        Ok(b) => b,
-        Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
-            eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some(built) = build_gpu(&spec) else {
+        return;
     };
     let stop = Arc::new(AtomicBool::new(false));
     let mut started = Vec::new();
@@ -151,23 +159,8 @@ fn gpu_decoder_chain() -> Option<f64> {
             policy: Some("exact-f32".into()),
             ..ChainSpec::default()
         };
-        let built = match build(&spec, true) {
-            Ok(b) => b,
-            Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
-                eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
-                return None;
-            }
-            Err(e) => panic!("{e}"),
-        };
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut replies = vec![String::new(); 3];
-        let report = pipeline::chain::run(built.chain, &built.options, stop, |e| {
-            if let Event::Text { frame, text } = e {
-                replies[frame as usize].push_str(text);
-            }
-        })
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let built = build_gpu(&spec)?;
+        let (report, replies) = run_collecting_replies(built);
         assert_eq!(report.frames_decoded, 3);
         Some((report, replies))
     };
@@ -801,13 +794,8 @@ fn frames_overlap_on_the_gpu_and_a_live_stream_describes_the_newest_frame() {
         policy: Some("exact-f32".into()),
         ..ChainSpec::default()
     };
-    let built = match build(&spec(false), true) {
-        Ok(b) => b,
-        Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
-            eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some(built) = build_gpu(&spec(false)) else {
+        return;
     };
     let depth = built.options.depth;
     let report = pipeline::chain::run(
@@ -942,14 +930,7 @@ fn work_submitted_ahead_of_the_capture_waits_for_it_on_the_gpu() {
 fn work_submitted_ahead_waits_for(source: &str) {
     let run = |ahead: bool| {
         let spec = ahead_spec(source, Placement::Gpu, 12, ahead);
-        let built = match build(&spec, true) {
-            Ok(b) => b,
-            Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
-                eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
-                return None;
-            }
-            Err(e) => panic!("{e}"),
-        };
+        let built = build_gpu(&spec)?;
         let (report, replies) = run_collecting_replies(built);
         assert_eq!(report.frames_decoded, 12);
         assert_eq!(report.host_waits_per_frame(0), 0.0);
@@ -1044,26 +1025,17 @@ fn reused_frames_prefixes_and_drafts_leave_every_reply_unchanged() {
             ..ChainSpec::default()
         };
         let built = build(&spec, true).unwrap();
-        let mut replies = vec![String::new(); 6];
-        let report = pipeline::chain::run(
-            built.chain,
-            &built.options,
-            Arc::new(AtomicBool::new(false)),
-            |e| {
-                if let Event::Text { frame, text } = e {
-                    replies[frame as usize].push_str(text);
-                }
-            },
-        )
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let (report, replies) = run_collecting_replies(built);
         assert_eq!(report.frames_decoded, 6);
         (replies, report)
     };
     let (plain, plain_report) = run(None, None);
     let (reused, reused_report) = run(Some(0.01), None);
     let (drafted, drafted_report) = run(Some(0.01), Some("ngram"));
-    assert!(plain.iter().all(|r| !r.is_empty()), "{plain:?}");
+    assert!(
+        plain.len() == 6 && plain.values().all(|r| !r.is_empty()),
+        "{plain:?}"
+    );
     assert_eq!(reused, plain, "reused K/V changed a reply");
     assert_eq!(drafted, plain, "drafting changed a reply");
     assert_eq!(plain_report.frames_reused, 0);
@@ -1117,27 +1089,8 @@ fn the_gpu_chain_skips_unchanged_frames_with_the_same_replies() {
             skip_similar,
             ..ChainSpec::default()
         };
-        let built = match build(&spec, true) {
-            Ok(b) => b,
-            Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
-                eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
-                return None;
-            }
-            Err(e) => panic!("{e}"),
-        };
-        let mut replies = vec![String::new(); 6];
-        let report = pipeline::chain::run(
-            built.chain,
-            &built.options,
-            Arc::new(AtomicBool::new(false)),
-            |e| {
-                if let Event::Text { frame, text } = e {
-                    replies[frame as usize].push_str(text);
-                }
-            },
-        )
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let built = build_gpu(&spec)?;
+        let (report, replies) = run_collecting_replies(built);
         assert_eq!(report.frames_decoded, 6);
         Some((replies, report))
     };
@@ -1145,7 +1098,10 @@ fn the_gpu_chain_skips_unchanged_frames_with_the_same_replies() {
         return;
     };
     let (reused, reused_report) = run(Some(0.01)).unwrap();
-    assert!(plain.iter().all(|r| !r.is_empty()), "{plain:?}");
+    assert!(
+        plain.len() == 6 && plain.values().all(|r| !r.is_empty()),
+        "{plain:?}"
+    );
     assert_eq!(reused, plain, "skipping unchanged frames changed a reply");
     assert_eq!(
         (plain_report.frames_encoded, plain_report.frames_reused),
@@ -1183,21 +1139,12 @@ fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
             ..ChainSpec::default()
         };
         let built = build(&spec, true).unwrap();
-        let mut replies = vec![String::new(); 12];
-        let report = pipeline::chain::run(
-            built.chain,
-            &built.options,
-            Arc::new(AtomicBool::new(false)),
-            |e| {
-                if let Event::Text { frame, text } = e {
-                    replies[frame as usize].push_str(text);
-                }
-            },
-        )
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let (report, replies) = run_collecting_replies(built);
         assert_eq!(report.frames_decoded, 12);
-        assert!(replies.iter().all(|r| !r.is_empty()), "{replies:?}");
+        assert!(
+            replies.len() == 12 && replies.values().all(|r| !r.is_empty()),
+            "{replies:?}"
+        );
         (report, replies)
     };
     let (alone, _) = run(false, None, None, None);
