@@ -195,6 +195,39 @@ impl Clock {
     }
 }
 
+/// Sources whose next frame exists before it is due (files): `announce_next` reads it into its
+/// buffer at once, and `next_frame` delivers (signals) it when it is due, as a camera's capture
+/// would land.
+trait ReadAhead {
+    fn clock(&mut self) -> &mut Clock;
+    fn frame_desc(&self) -> FrameDesc;
+    /// The next frame, filled into a pool buffer; `None` at the end of the stream.
+    fn read_frame(&mut self) -> Result<Option<(Arc<UnifiedBuffer>, Lease)>, Error>;
+
+    fn announce_read_ahead(&mut self) -> Result<Option<Frame>, Error> {
+        if self.clock().announced.is_none() {
+            let Some(filled) = self.read_frame()? else {
+                return Ok(None);
+            };
+            self.clock().announced = Some(filled);
+        }
+        let desc = self.frame_desc();
+        Ok(Some(self.clock().announced_frame(desc)))
+    }
+
+    fn next_read_ahead(&mut self) -> Result<Option<Frame>, Error> {
+        let filled = match self.clock().announced.take() {
+            Some(filled) => filled,
+            None => match self.read_frame()? {
+                Some(filled) => filled,
+                None => return Ok(None),
+            },
+        };
+        let desc = self.frame_desc();
+        Ok(Some(self.clock().deliver(filled, desc)?))
+    }
+}
+
 /// A synthetic moving test pattern (colour bars sliding over a luma ramp) at any size and rate.
 #[derive(Debug)]
 pub struct PatternSource {
@@ -520,32 +553,24 @@ impl<R: BufRead + Send> FrameSource for Y4mSource<R> {
         true
     }
 
-    /// A file's next frame exists before it is due: it is read into its buffer now, and
-    /// [`FrameSource::next_frame`] delivers it (signals it) when it is due, as a camera's
-    /// capture would land.
     fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
-        if self.clock.announced.is_none() {
-            match self.read_frame()? {
-                Some(filled) => self.clock.announced = Some(filled),
-                None => return Ok(None),
-            }
-        }
-        Ok(Some(self.clock.announced_frame(self.desc)))
+        self.announce_read_ahead()
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
-        let filled = match self.clock.announced.take() {
-            Some(filled) => filled,
-            None => match self.read_frame()? {
-                Some(filled) => filled,
-                None => return Ok(None),
-            },
-        };
-        Ok(Some(self.clock.deliver(filled, self.desc)?))
+        self.next_read_ahead()
     }
 }
 
-impl<R: BufRead + Send> Y4mSource<R> {
+impl<R: BufRead + Send> ReadAhead for Y4mSource<R> {
+    fn clock(&mut self) -> &mut Clock {
+        &mut self.clock
+    }
+
+    fn frame_desc(&self) -> FrameDesc {
+        self.desc
+    }
+
     /// Reads the next frame of the file into a pool buffer; `None` at the end of the stream.
     fn read_frame(&mut self) -> Result<Option<(Arc<UnifiedBuffer>, Lease)>, Error> {
         let frame = match self.decoder.read_frame() {
@@ -718,30 +743,24 @@ impl FrameSource for ImageSource {
         true
     }
 
-    /// As a Y4M file's: the next image is decoded into its buffer now and signalled when due.
     fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
-        if self.clock.announced.is_none() {
-            match self.read_frame()? {
-                Some(filled) => self.clock.announced = Some(filled),
-                None => return Ok(None),
-            }
-        }
-        Ok(Some(self.clock.announced_frame(self.desc())))
+        self.announce_read_ahead()
     }
 
     fn next_frame(&mut self) -> Result<Option<Frame>, Error> {
-        let filled = match self.clock.announced.take() {
-            Some(filled) => filled,
-            None => match self.read_frame()? {
-                Some(filled) => filled,
-                None => return Ok(None),
-            },
-        };
-        Ok(Some(self.clock.deliver(filled, self.desc())?))
+        self.next_read_ahead()
     }
 }
 
-impl ImageSource {
+impl ReadAhead for ImageSource {
+    fn clock(&mut self) -> &mut Clock {
+        &mut self.clock
+    }
+
+    fn frame_desc(&self) -> FrameDesc {
+        self.desc()
+    }
+
     /// Decodes the next image into a pool buffer; `None` after the last.
     fn read_frame(&mut self) -> Result<Option<(Arc<UnifiedBuffer>, Lease)>, Error> {
         let index = self.clock.next as usize;
