@@ -319,15 +319,8 @@ pub fn generate_constrained(
     grammar: Option<&crate::grammar::Grammar>,
     on_token: impl FnMut(u32) -> bool,
 ) -> Result<GenerationStats, DecodeError> {
-    generate_from(
-        decoder,
-        Prompt::text(prompt),
-        max_tokens,
-        sampling,
-        stop,
-        grammar,
-        None,
-        on_token,
+    generate_speculative(
+        decoder, prompt, max_tokens, sampling, stop, grammar, None, on_token,
     )
 }
 
