@@ -240,8 +240,15 @@ fn load(device: &mut dyn Device, storage: Storage, seed: u64) -> Model {
 }
 
 /// Runs `chunks` through body and head and returns the logits of each chunk's last
-/// `LOGIT_ROWS.min(len)` rows, all chunks concatenated.
-fn run(device: &mut dyn Device, model: &Model, kv: &mut KvCache, chunks: &[Vec<u32>]) -> Vec<f32> {
+/// `LOGIT_ROWS.min(len)` rows, all chunks concatenated; the body reports its attention to
+/// `tracker` when one is given.
+fn run(
+    device: &mut dyn Device,
+    model: &Model,
+    kv: &mut KvCache,
+    chunks: &[Vec<u32>],
+    mut tracker: Option<&mut kv_paged::prune::AttentionTracker>,
+) -> Vec<f32> {
     let mut out = Vec::new();
     let mut pos = 0;
     for chunk in chunks {
@@ -258,7 +265,7 @@ fn run(device: &mut dyn Device, model: &Model, kv: &mut KvCache, chunks: &[Vec<u
                     embeddings: None,
                 },
                 kv: Some(kv),
-                attention: None,
+                attention: tracker.as_deref_mut(),
                 wait: None,
                 signal: None,
             })
@@ -356,8 +363,8 @@ fn compare(storage: Storage, dtype: PageDtype, tolerance: f32) {
     let mc = load(&mut cpu, storage, 42);
     let mg = load(&mut gpu, storage, 42);
     let (mut kc, mut kg) = (kv_cache(dtype), kv_cache(dtype));
-    let want = run(&mut cpu, &mc, &mut kc, &chunks());
-    let got = run(&mut gpu, &mg, &mut kg, &chunks());
+    let want = run(&mut cpu, &mc, &mut kc, &chunks(), None);
+    let got = run(&mut gpu, &mg, &mut kg, &chunks(), None);
     let (max, mean) = errors(&got, &want);
     let _ = writeln!(
         std::io::stderr(),
@@ -789,29 +796,9 @@ fn attention_statistics_match_the_cpu() {
     ] {
         let mut kv = kv_cache(PageDtype::F32);
         let mut tracker = kv_paged::prune::AttentionTracker::new(LAYERS);
-        let mut pos = 0;
         let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
-        for chunk in [prompt, vec![7], vec![2, 9, 4, 1, 30], vec![11]] {
-            let appended = kv.append(0, &chunk).expect("append");
-            device
-                .submit(Submission {
-                    ops: &model.body,
-                    batch: Batch {
-                        tokens: &chunk,
-                        first_pos: pos,
-                        seq: 0,
-                        slots: &appended.slots,
-                        select: 0..0,
-                        embeddings: None,
-                    },
-                    kv: Some(&mut kv),
-                    attention: Some(&mut tracker),
-                    wait: None,
-                    signal: None,
-                })
-                .expect("body");
-            pos += chunk.len();
-        }
+        let chunks = [prompt, vec![7], vec![2, 9, 4, 1, 30], vec![11]];
+        run(device, model, &mut kv, &chunks, Some(&mut tracker));
         trackers.push(tracker);
     }
     let (want, got) = (&trackers[0], &trackers[1]);
