@@ -1,7 +1,8 @@
 //! The GPU backend against the CPU reference NPU: one small random transformer (three layers,
 //! grouped-query attention), every weight format and every KV page dtype, through a 100-token
 //! prefill batch (the GEMM and tiled attention kernels, several tiles each), single-token steps
-//! (GEMV, per-row attention) and a short batch (GEMV over 8 tokens), logits compared after each.
+//! (GEMV, per-row attention), a short batch (GEMV over 8 tokens) and a 20-token batch over the
+//! cached keys, logits compared after each.
 //!
 //! On CI the GPU is lavapipe. Without any Vulkan adapter the test fails when `CI=true` and
 //! otherwise prints a visible skip; it never passes without having run on a GPU.
@@ -350,6 +351,8 @@ fn chunks() -> Vec<Vec<u32>> {
         vec![11],
         (0..5).map(|i| i * 13 % VOCAB as u32).collect(),
         vec![3],
+        // A long batch over cached keys: the prefill kernels with a non-empty cache.
+        (0..20).map(|i| (i * 29 + 1) % VOCAB as u32).collect(),
     ]
 }
 

@@ -225,9 +225,14 @@ enum Grid {
     LinearRows { selected: bool },
     /// `(rows, heads, depth)`.
     Heads { heads: u32, depth: u32 },
-    /// Attention, `(rows, heads, 1)`: the dispatch's own kernel for short batches, `paged` (which
-    /// reads every key from the pages, after the KV write) for longer ones.
-    Attention { heads: u32, paged: Kernel },
+    /// Attention, `(rows, heads, 1)`: the dispatch's own kernel for short batches; for longer
+    /// ones `tiled` (a workgroup per [`shaders::TILED_ATTENTION_ROWS`] rows and head) where the
+    /// variant allows it, else `paged`. Both read every key from the pages, after the KV write.
+    Attention {
+        heads: u32,
+        paged: Kernel,
+        tiled: Option<Kernel>,
+    },
 }
 
 /// [`VulkanConfig::gemv_lanes`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
@@ -1463,9 +1468,19 @@ impl VulkanNpu {
             in_batch: false,
             stats: stats.is_some(),
         };
+        // The tiled kernel keeps no statistics, and needs its tiles to fit.
+        let tiled = shaders::tiled_attention_shared_bytes(hd)
+            .filter(|&bytes| stats.is_none() && bytes <= self.ctx.max_shared_bytes)
+            .map(|_| Kernel::AttentionTiled {
+                kv: kvf,
+                head_dim: hd,
+                rope,
+                rope_q: q_rope.is_some(),
+            });
         let grid = Grid::Attention {
             heads: q_heads as u32,
             paged,
+            tiled,
         };
         let writes = vec![Resource::Tensor(out.0)];
         self.push_dispatch(p, kernel, grid, push, &bufs, reads, writes)?;
@@ -1643,12 +1658,13 @@ impl VulkanNpu {
             };
             let (kernel, groups) = shape_of(kernel, grid, tokens, selected);
             let mut reads = reads;
+            // The long-batch attention kernels read this batch's keys back from the pages.
             if matches!(
                 kernel,
                 Kernel::Attention {
                     in_batch: false,
                     ..
-                }
+                } | Kernel::AttentionTiled { .. }
             ) && !reads.contains(&Resource::Kv)
             {
                 reads.push(Resource::Kv);
@@ -1867,7 +1883,12 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
         }
         Grid::Elements { width, per } => (kernel, [width.div_ceil(per), n, 1]),
         Grid::Heads { heads, depth } => (kernel, [n, heads, depth]),
-        Grid::Attention { heads, paged } if n > SHORT_BATCH => (paged, [n, heads, 1]),
+        Grid::Attention {
+            heads,
+            tiled: Some(tiled),
+            ..
+        } if n > SHORT_BATCH => (tiled, [n.div_ceil(shaders::TILED_ATTENTION_ROWS), heads, 1]),
+        Grid::Attention { heads, paged, .. } if n > SHORT_BATCH => (paged, [n, heads, 1]),
         Grid::Attention { heads, .. } => (kernel, [n, heads, 1]),
         Grid::Linear {
             format,

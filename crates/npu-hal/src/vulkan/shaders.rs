@@ -29,7 +29,9 @@ const ROPE: &str = include_str!("shaders/rope.wgsl");
 const ROPE_ANGLE: &str = include_str!("shaders/rope_angle.wgsl");
 const KV_COMMON: &str = include_str!("shaders/kv_common.wgsl");
 const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
+const KV_READ: &str = include_str!("shaders/kv_read.wgsl");
 const ATTENTION: &str = include_str!("shaders/attention.wgsl");
+const ATTENTION_TILED: &str = include_str!("shaders/attention_tiled.wgsl");
 const ATTENTION_STATS: &str = include_str!("shaders/attention_stats.wgsl");
 /// The attention module's `record_stats` when it keeps no statistics.
 const NO_ATTENTION_STATS: &str = "fn record_stats(row: u32, keys: u32, mx: f32, total: f32, \
@@ -165,6 +167,27 @@ pub(crate) enum Kernel {
         in_batch: bool,
         stats: bool,
     },
+    /// Attention for long batches, tiled (`shaders/attention_tiled.wgsl`): a workgroup per
+    /// [`TILED_ATTENTION_ROWS`] rows and head, every key read from the pages; `rope` and
+    /// `rope_q` as for [`Kernel::Attention`]. No statistics.
+    AttentionTiled {
+        kv: KvFormat,
+        head_dim: u32,
+        rope: u32,
+        rope_q: bool,
+    },
+}
+
+/// Batch rows per workgroup of [`Kernel::AttentionTiled`] (its BQ).
+pub(crate) const TILED_ATTENTION_ROWS: u32 = 32;
+
+/// Workgroup memory [`Kernel::AttentionTiled`] takes at `head_dim` (its query, key and value
+/// tiles, probabilities and partial sums), or `None` when it cannot take that head size (not
+/// a multiple of its 8 invocations per row).
+pub(crate) fn tiled_attention_shared_bytes(head_dim: u32) -> Option<u32> {
+    let (rows, keys, lanes) = (TILED_ATTENTION_ROWS, 32, 8);
+    (head_dim % lanes == 0)
+        .then(|| 4 * ((rows + 2 * keys) * (head_dim + 1) + rows * (keys + 1) + 2 * rows * lanes))
 }
 
 impl Kernel {
@@ -175,6 +198,7 @@ impl Kernel {
             Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu => 4,
             Kernel::Embed { .. } | Kernel::KvWrite { .. } => 5,
             Kernel::Attention { stats, .. } => 8 + u32::from(stats),
+            Kernel::AttentionTiled { .. } => 8,
             Kernel::Gemv { .. } | Kernel::Gemm { .. } | Kernel::Rotate { .. } => 6,
         }
     }
@@ -273,33 +297,40 @@ impl Kernel {
                 in_batch,
                 stats,
             } => {
-                attention(
-                    &mut s, kv, head_dim, workgroup, rope, rope_q, rope_k, in_batch,
-                );
+                s.push_str(&format!("const WG: u32 = {workgroup}u;\n"));
+                attention(&mut s, kv, head_dim, rope, rope_q, rope_k, in_batch);
+                s.push_str(ATTENTION);
                 s.push_str(if stats {
                     ATTENTION_STATS
                 } else {
                     NO_ATTENTION_STATS
                 });
             }
+            Kernel::AttentionTiled {
+                kv,
+                head_dim,
+                rope,
+                rope_q,
+            } => {
+                attention(&mut s, kv, head_dim, rope, rope_q, false, false);
+                s.push_str(ATTENTION_TILED);
+            }
         }
         s
     }
 }
 
-/// The attention module for its variant (see [`Kernel::Attention`]).
-#[allow(clippy::too_many_arguments)]
+/// What both attention modules start with (see [`Kernel::Attention`]): their constants, the
+/// rotary angles and the page reads.
 fn attention(
     s: &mut String,
     kv: KvFormat,
     head_dim: u32,
-    workgroup: u32,
     rope: u32,
     rope_q: bool,
     rope_k: bool,
     in_batch: bool,
 ) {
-    s.push_str(&format!("const WG: u32 = {workgroup}u;\n"));
     s.push_str(&format!(
         "const HD: u32 = {head_dim}u;\n\
                      const ROPE: u32 = {rope}u;\nconst ROPE_Q: u32 = {}u;\n\
@@ -332,7 +363,7 @@ fn attention(
                          fn kv_mx_elem(page: u32, token: u32, d: u32) -> f32 { return 0.0; }\n",
         );
     }
-    s.push_str(ATTENTION);
+    s.push_str(KV_READ);
 }
 
 fn linear_io(s: &mut String, input: LinearInput, accumulate: bool) {
@@ -556,6 +587,12 @@ mod tests {
                             stats,
                         });
                     }
+                    kernels.push(Kernel::AttentionTiled {
+                        kv,
+                        head_dim,
+                        rope,
+                        rope_q,
+                    });
                 }
             }
         }

@@ -1,0 +1,16 @@
+// Reading KV pages, for the attention kernels (attention.wgsl, attention_tiled.wgsl): the module
+// declares HD and binds the pages as `kv_word` and `kv_mx_elem` (shaders.rs).
+
+// Elements 2p and 2p + 1 of a token's vector in a page.
+fn kv_pair(page: u32, token: u32, p: u32) -> vec2<f32> {
+    if (KV_DTYPE == 0u) {
+        let at = (page + token * 4u * HD) / 4u + 2u * p;
+        return vec2<f32>(bitcast<f32>(kv_word(at)), bitcast<f32>(kv_word(at + 1u)));
+    } else if (KV_DTYPE == 1u) {
+        return unpack2x16float(kv_word((page + token * 2u * HD) / 4u + p));
+    } else if (KV_DTYPE == 2u) {
+        let w = kv_word((page + token * 2u * HD) / 4u + p);
+        return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xFFFF0000u));
+    }
+    return vec2<f32>(kv_mx_elem(page, token, 2u * p), kv_mx_elem(page, token, 2u * p + 1u));
+}
