@@ -336,6 +336,9 @@ fn kv_cache(dtype: PageDtype) -> KvCache {
 
 /// (max |gpu - cpu|, mean |gpu - cpu|) over max |cpu|.
 fn errors(gpu: &[f32], cpu: &[f32]) -> (f32, f32) {
+    // A non-finite logit is a failure however the rest compares (f32::max drops NaNs).
+    let bad = gpu.iter().filter(|v| !v.is_finite()).count();
+    assert_eq!(bad, 0, "{bad} of {} GPU logits are not finite", gpu.len());
     let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
     let diff: Vec<f32> = gpu.iter().zip(cpu).map(|(a, b)| (a - b).abs()).collect();
     let max = diff.iter().fold(0f32, |m, &d| m.max(d));
@@ -394,6 +397,110 @@ fn mx_weights_match_the_cpu() {
     ] {
         compare(Storage::Mx(f), PageDtype::F16, 0.03);
     }
+}
+
+/// One prefill-sized linear layer (the GEMM kernels: 100 tokens, a partial tile in both
+/// directions) with its RMSNorm folded in, every output compared; a mismatch names the first
+/// token and row that differ.
+#[test]
+fn a_long_batch_linear_matches_the_cpu() {
+    let Some(mut gpu) = gpu() else { return };
+    let mut cpu = CpuNpu::new(CpuConfig {
+        threads: 2,
+        ..CpuConfig::default()
+    })
+    .expect("cpu");
+    let mut failures = Vec::new();
+    for (storage, norm) in [
+        (Storage::Mx(ElemFormat::Fp4E2M1), true),
+        (Storage::Mx(ElemFormat::Fp4E2M1), false),
+        (Storage::Mx(ElemFormat::Fp8E4M3), true),
+        (Storage::Block(BlockType::Q4_1), true),
+        (Storage::F32, true),
+    ] {
+        let tokens: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
+        let mut outs = Vec::new();
+        for device in [&mut cpu as &mut dyn Device, &mut gpu] {
+            let mut rng = Rng(7);
+            let table = device
+                .load_weight(weight(storage, VOCAB, HIDDEN, &mut rng))
+                .expect("table");
+            let gain = device.load_weight(vector(HIDDEN, &mut rng)).expect("gain");
+            // 100 rows: one full 64-row tile and a partial one.
+            let w = device
+                .load_weight(weight(storage, 100, HIDDEN, &mut rng))
+                .expect("weight");
+            let x = device.create_tensor(HIDDEN, MAX_ROWS).expect("x");
+            let xn = device.create_tensor(HIDDEN, MAX_ROWS).expect("xn");
+            let y = device.create_tensor(100, MAX_ROWS).expect("y");
+            let mut ops = vec![Op::Embed { table, out: x }];
+            if norm {
+                ops.push(Op::RmsNorm {
+                    x,
+                    weight: gain,
+                    eps: 1e-5,
+                    out: xn,
+                });
+            }
+            ops.push(Op::Linear {
+                weight: w,
+                x: if norm { xn } else { x },
+                out: y,
+                rows: Rows::All,
+            });
+            device
+                .submit(Submission {
+                    ops: &ops,
+                    batch: Batch {
+                        tokens: &tokens,
+                        first_pos: 0,
+                        seq: 0,
+                        slots: &[],
+                        select: 0..0,
+                        embeddings: None,
+                    },
+                    kv: None,
+                    attention: None,
+                    wait: None,
+                    signal: None,
+                })
+                .expect("submit");
+            let mut out = vec![0f32; tokens.len() * 100];
+            device
+                .read_tensor(y, 0..tokens.len(), &mut out)
+                .expect("read");
+            outs.push(out);
+        }
+        let (want, got) = (&outs[0], &outs[1]);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let first_bad = got
+            .iter()
+            .zip(want)
+            .position(|(g, w)| !g.is_finite() || (g - w).abs() > 0.03 * scale);
+        let (max, mean) = if first_bad.is_none() {
+            errors(got, want)
+        } else {
+            (f32::NAN, f32::NAN)
+        };
+        let _ = writeln!(
+            std::io::stderr(),
+            "device-test detail: {storage:?} GEMM (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
+            gpu.adapter()
+        );
+        if let Some(i) = first_bad {
+            failures.push(format!(
+                "{storage:?}: output (token {}, row {}) is {} on the GPU, {} on the CPU; {} of {} \
+                 outputs are not finite",
+                i / 100,
+                i % 100,
+                got[i],
+                want[i],
+                got.iter().filter(|v| !v.is_finite()).count(),
+                got.len()
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

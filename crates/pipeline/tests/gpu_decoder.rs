@@ -72,6 +72,9 @@ fn all_logits(d: &mut Decoder, ids: &[u32]) -> Vec<f32> {
 /// (max, mean) of |gpu - cpu| over max |cpu|.
 fn errors(gpu: &[f32], cpu: &[f32]) -> (f32, f32) {
     assert_eq!(gpu.len(), cpu.len());
+    // A non-finite logit is a failure however the rest compares (f32::max drops NaNs).
+    let bad = gpu.iter().filter(|v| !v.is_finite()).count();
+    assert_eq!(bad, 0, "{bad} of {} GPU logits are not finite", gpu.len());
     let scale = cpu.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
     let diff: Vec<f32> = gpu.iter().zip(cpu).map(|(a, b)| (a - b).abs()).collect();
     let max = diff.iter().fold(0f32, |m, &d| m.max(d));
