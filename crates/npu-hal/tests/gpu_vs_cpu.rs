@@ -400,8 +400,8 @@ fn mx_weights_match_the_cpu() {
 }
 
 /// One prefill-sized linear layer (the GEMM kernels: 100 tokens, a partial tile in both
-/// directions) with its RMSNorm folded in, every output compared; a mismatch names the first
-/// token and row that differ.
+/// directions, and a 4100-row matrix of 65 row tiles) with or without its RMSNorm folded in,
+/// every output compared; a mismatch names the first token and row that differ.
 #[test]
 fn a_long_batch_linear_matches_the_cpu() {
     let Some(mut gpu) = gpu() else { return };
@@ -411,12 +411,14 @@ fn a_long_batch_linear_matches_the_cpu() {
     })
     .expect("cpu");
     let mut failures = Vec::new();
-    for (storage, norm) in [
-        (Storage::Mx(ElemFormat::Fp4E2M1), true),
-        (Storage::Mx(ElemFormat::Fp4E2M1), false),
-        (Storage::Mx(ElemFormat::Fp8E4M3), true),
-        (Storage::Block(BlockType::Q4_1), true),
-        (Storage::F32, true),
+    for (storage, norm, rows) in [
+        (Storage::Mx(ElemFormat::Fp4E2M1), true, 100),
+        (Storage::Mx(ElemFormat::Fp4E2M1), false, 100),
+        (Storage::Mx(ElemFormat::Fp8E4M3), true, 100),
+        (Storage::Block(BlockType::Q4_1), true, 100),
+        (Storage::F32, true, 100),
+        (Storage::Mx(ElemFormat::Fp6E2M3), true, 4100),
+        (Storage::Block(BlockType::Q4_1), false, 4100),
     ] {
         let tokens: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
         let mut outs = Vec::new();
@@ -426,13 +428,12 @@ fn a_long_batch_linear_matches_the_cpu() {
                 .load_weight(weight(storage, VOCAB, HIDDEN, &mut rng))
                 .expect("table");
             let gain = device.load_weight(vector(HIDDEN, &mut rng)).expect("gain");
-            // 100 rows: one full 64-row tile and a partial one.
             let w = device
-                .load_weight(weight(storage, 100, HIDDEN, &mut rng))
+                .load_weight(weight(storage, rows, HIDDEN, &mut rng))
                 .expect("weight");
             let x = device.create_tensor(HIDDEN, MAX_ROWS).expect("x");
             let xn = device.create_tensor(HIDDEN, MAX_ROWS).expect("xn");
-            let y = device.create_tensor(100, MAX_ROWS).expect("y");
+            let y = device.create_tensor(rows, MAX_ROWS).expect("y");
             let mut ops = vec![Op::Embed { table, out: x }];
             if norm {
                 ops.push(Op::RmsNorm {
@@ -465,7 +466,7 @@ fn a_long_batch_linear_matches_the_cpu() {
                     signal: None,
                 })
                 .expect("submit");
-            let mut out = vec![0f32; tokens.len() * 100];
+            let mut out = vec![0f32; tokens.len() * rows];
             device
                 .read_tensor(y, 0..tokens.len(), &mut out)
                 .expect("read");
@@ -484,15 +485,15 @@ fn a_long_batch_linear_matches_the_cpu() {
         };
         let _ = writeln!(
             std::io::stderr(),
-            "device-test detail: {storage:?} GEMM (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
+            "device-test detail: {storage:?} GEMM, {rows} rows (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
             gpu.adapter()
         );
         if let Some(i) = first_bad {
             failures.push(format!(
                 "{storage:?}: output (token {}, row {}) is {} on the GPU, {} on the CPU; {} of {} \
                  outputs are not finite",
-                i / 100,
-                i % 100,
+                i / rows,
+                i % rows,
                 got[i],
                 want[i],
                 got.iter().filter(|v| !v.is_finite()).count(),
