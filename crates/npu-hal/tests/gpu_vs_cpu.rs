@@ -299,8 +299,12 @@ fn run(
     out
 }
 
+/// The GPU backend with the tiled prefill attention, which lavapipe would not take by default.
 fn gpu() -> Option<VulkanNpu> {
-    match VulkanNpu::new(VulkanConfig::default()) {
+    match VulkanNpu::new(VulkanConfig {
+        tiled_attention: Some(true),
+        ..VulkanConfig::default()
+    }) {
         Ok(d) => Some(d),
         Err(e) => {
             let msg = format!(

@@ -86,6 +86,11 @@ pub struct VulkanConfig {
     /// unless `NPU_HAL_GEMV_LANES` is set): 64 on a GPU, 32 on a CPU implementation (lavapipe),
     /// the fastest of each measured (README, "Decoder on the GPU").
     pub gemv_lanes: Option<u32>,
+    /// Long batches' attention tiled as flash attention (`shaders/attention_tiled.wgsl`: a
+    /// workgroup per 32 rows and head reads each key once) rather than a workgroup per row and
+    /// head. `None` (the default, unless `NPU_HAL_TILED_ATTENTION` is 0 or 1): on a GPU, not
+    /// on a CPU implementation (lavapipe), the faster on each (README, "Decoder on the GPU").
+    pub tiled_attention: Option<bool>,
 }
 
 impl Default for VulkanConfig {
@@ -97,6 +102,11 @@ impl Default for VulkanConfig {
             gemv_lanes: std::env::var("NPU_HAL_GEMV_LANES")
                 .ok()
                 .and_then(|v| v.parse().ok()),
+            tiled_attention: match std::env::var("NPU_HAL_TILED_ATTENTION").as_deref() {
+                Ok("0") => Some(false),
+                Ok("1") => Some(true),
+                _ => None,
+            },
         }
     }
 }
@@ -379,6 +389,8 @@ pub struct VulkanNpu {
     profile: bool,
     /// [`VulkanConfig::gemv_lanes`].
     gemv_lanes: u32,
+    /// [`VulkanConfig::tiled_attention`].
+    tiled_attention: bool,
     kernel_times: Mutex<HashMap<Kernel, (u64, f64)>>,
     counters: Counters,
     wait_timeout: Duration,
@@ -517,6 +529,7 @@ impl VulkanNpu {
             timestamps,
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
+            tiled_attention: config.tiled_attention.unwrap_or(!ctx.adapter.is_cpu()),
             gemv_lanes: config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
                 CPU_GEMV_LANES
             } else {
@@ -1470,7 +1483,9 @@ impl VulkanNpu {
         };
         // The tiled kernel keeps no statistics, and needs its tiles to fit.
         let tiled = shaders::tiled_attention_shared_bytes(hd)
-            .filter(|&bytes| stats.is_none() && bytes <= self.ctx.max_shared_bytes)
+            .filter(|&bytes| {
+                self.tiled_attention && stats.is_none() && bytes <= self.ctx.max_shared_bytes
+            })
             .map(|_| Kernel::AttentionTiled {
                 kv: kvf,
                 head_dim: hd,

@@ -186,7 +186,8 @@ pub(crate) const TILED_ATTENTION_ROWS: u32 = 32;
 /// a multiple of its 8 invocations per row).
 pub(crate) fn tiled_attention_shared_bytes(head_dim: u32) -> Option<u32> {
     let (rows, keys, lanes) = (TILED_ATTENTION_ROWS, 32, 8);
-    (head_dim % lanes == 0)
+    head_dim
+        .is_multiple_of(lanes)
         .then(|| 4 * ((rows + 2 * keys) * (head_dim + 1) + rows * (keys + 1) + 2 * rows * lanes))
 }
 
