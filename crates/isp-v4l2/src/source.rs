@@ -66,10 +66,12 @@ pub trait FrameSource: Send {
     }
     /// The next frame before it is written: its buffer, its sequence number and the `ready`
     /// value its timeline reaches once the frame is in the buffer. The next
-    /// [`FrameSource::next_frame`] delivers exactly this frame. A consumer may submit device
-    /// work that reads the buffer and waits for `ready` on the device (ahead-of-time
-    /// submission); it must not read the buffer on the CPU before `ready`. `Ok(None)` when the
-    /// source cannot say (a camera's driver picks the buffer) or the stream ends.
+    /// [`FrameSource::next_frame`] delivers exactly this frame: the same buffer and `ready`
+    /// (a camera predicts the sequence number and timestamp, and delivers the driver's). A
+    /// consumer may submit device work that reads the buffer and waits for `ready` on the
+    /// device (ahead-of-time submission); it must not read the buffer on the CPU before
+    /// `ready`. `Ok(None)` when the source cannot say (a camera with every buffer held
+    /// downstream) or the stream ends.
     fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
         Ok(None)
     }

@@ -19,12 +19,23 @@
 //!   are dropped and counted too.
 //! - Drops are counted across the 32-bit sequence number's wrap; [`Frame::sequence`] is a 64-bit
 //!   count from the first frame, so it never wraps or goes backwards.
+//! - Ahead of the capture ([`FrameSource::announce_next`]), the next frame is the oldest buffer
+//!   queued to the driver: capture drivers fill their queue in `QBUF` order (videobuf2's queue
+//!   is a FIFO). The announced frame's `ready` value is signalled only once `DQBUF` has
+//!   returned that very buffer, so device work queued on it never reads memory the camera is
+//!   still writing. Should a driver return another buffer first, that frame is dropped and
+//!   counted (delivering it later would send sequences backwards); should it flag the announced
+//!   buffer as damaged, the next good frame is copied into it on the CPU (counted in the copy
+//!   ledger as `v4l2-damaged-refill`), since consumers may already have queued work on it. An
+//!   announced frame's `sequence` and `timestamp` are predicted (one frame on from the last);
+//!   after a drop they lag the driver's by the frames lost.
 //! - Every wait for a frame has a timeout, and a device that disappears (`ENODEV`, `POLLERR`) is
 //!   an error from [`FrameSource::next_frame`], not a hang.
 //! - Answers from the driver are untrusted: the negotiated layout must be one the ISP reads
 //!   without padding, and buffer indices, lengths and `bytesused` are checked before a frame is
 //!   built. Enumerations are bounded, whatever the driver keeps answering.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use rustix::io::Errno;
 use sync_timeline::{CpuTimeline, Timeline};
-use uvm_alloc::UnifiedBuffer;
+use uvm_alloc::{Access, UnifiedBuffer};
 
 use crate::Error;
 use crate::format::{FrameDesc, PixelFormat};
@@ -289,12 +300,24 @@ pub struct V4l2Source {
     memory: Memory,
     desc: FrameDesc,
     rate: Option<f64>,
-    timeline: Arc<CpuTimeline>,
+    /// Signalled with each frame's `ready`: the CPU timeline itself, or a fan-out that signals
+    /// its mirrors first ([`FrameSource::mirror_timeline`]).
+    timeline: Arc<dyn Timeline>,
+    cpu: Arc<CpuTimeline>,
+    mirrors: Vec<Arc<dyn Timeline>>,
     timeout: Duration,
     sequence: SequenceTracker,
     first_timestamp: Option<Duration>,
+    /// The last delivered frame's sequence and timestamp (the basis of a prediction).
+    last: Option<(u64, Duration)>,
     dropped: u64,
     delivered: u64,
+    /// Buffers with the driver, in the order they were queued: the order it fills them.
+    queue_order: VecDeque<usize>,
+    /// The frame announced and not yet delivered.
+    announced: Option<Announced>,
+    /// Bytes copied into an announced buffer the driver returned damaged.
+    refills: Arc<uvm_alloc::StageCopies>,
 }
 
 impl std::fmt::Debug for V4l2Source {
@@ -406,6 +429,7 @@ impl V4l2Source {
             CaptureMemory::Mmap => Memory::Mmap,
             CaptureMemory::DmaHeap(_) => Memory::DmaBuf,
         };
+        let cpu = Arc::new(CpuTimeline::new(0));
         let mut source = V4l2Source {
             slots: Vec::new(),
             file,
@@ -413,12 +437,18 @@ impl V4l2Source {
             memory,
             desc,
             rate,
-            timeline: Arc::new(CpuTimeline::new(0)),
+            timeline: cpu.clone(),
+            cpu,
+            mirrors: Vec::new(),
             timeout: config.timeout,
             sequence: SequenceTracker::default(),
             first_timestamp: None,
+            last: None,
             dropped: 0,
             delivered: 0,
+            queue_order: VecDeque::new(),
+            announced: None,
+            refills: uvm_alloc::CopyLedger::global().stage("v4l2-damaged-refill"),
         };
         source.start(config, got.sizeimage as usize)?;
         Ok(source)
@@ -501,6 +531,7 @@ impl V4l2Source {
         ioctl::vidioc_qbuf(self.file.as_fd(), index as u32, self.memory, dmabuf)
             .map_err(|e| os_err(format!("VIDIOC_QBUF on {}", self.path.display()), e))?;
         self.slots[index].queued = true;
+        self.queue_order.push_back(index);
         Ok(())
     }
 
@@ -549,7 +580,7 @@ impl FrameSource for V4l2Source {
     }
 
     fn timeline(&self) -> Arc<dyn Timeline> {
-        self.timeline.clone()
+        Arc::clone(&self.timeline)
     }
 
     /// Frames lost so far: sequence gaps (the driver had no buffer, or skipped), and frames the
@@ -609,35 +640,128 @@ impl FrameSource for V4l2Source {
                 });
             };
             slot.queued = false;
+            self.queue_order.retain(|&i| i != index);
             let (sequence, gap) = self.sequence.advance(buf.sequence);
             self.dropped += gap;
-            let short = (buf.bytesused as usize) < self.desc.byte_len()
-                || (buf.bytesused as usize) > slot.buffer.len();
-            if buf.flags & uapi::V4L2_BUF_FLAG_ERROR != 0 || short {
-                // A corrupt or truncated frame: dropped and counted; its buffer goes back to
-                // the driver on the next turn of the loop.
-                self.dropped += 1;
-                continue;
-            }
+            let damaged = buf.flags & uapi::V4L2_BUF_FLAG_ERROR != 0
+                || (buf.bytesused as usize) < self.desc.byte_len()
+                || (buf.bytesused as usize) > self.slots[index].buffer.len();
             let (sec, usec) = buf.timestamp;
             let stamp = Duration::new(
                 u64::try_from(sec).unwrap_or(0),
                 u32::try_from(usec).unwrap_or(0).min(999_999) * 1000,
             );
+            let filled = match &mut self.announced {
+                None if damaged => None,
+                None => Some(index),
+                Some(a) if a.index == index && damaged => {
+                    // Work may be queued on this buffer already: the next good frame is
+                    // copied into it (below).
+                    a.damaged = true;
+                    None
+                }
+                Some(a) if a.index == index => Some(index),
+                Some(a) if a.damaged && !damaged => {
+                    let (from, into) = (&self.slots[index].buffer, &self.slots[a.index].buffer);
+                    let n = self.desc.byte_len();
+                    {
+                        let src = from.cpu_access(0..n, Access::Read).map_err(Error::Memory)?;
+                        let mut dst = into.cpu_access(0..n, Access::Write).map_err(Error::Memory)?;
+                        dst.bytes_mut().map_err(Error::Memory)?.copy_from_slice(src.bytes());
+                    }
+                    self.refills.record(n);
+                    Some(a.index)
+                }
+                // Another buffer before the announced one (not seen with videobuf2's FIFO):
+                // delivering it after the announced frame would send sequences backwards.
+                Some(_) => None,
+            };
+            let Some(at) = filled else {
+                // A corrupt, truncated or out-of-order frame: dropped and counted; its buffer
+                // goes back to the driver on the next turn of the loop.
+                self.dropped += 1;
+                continue;
+            };
             let first = *self.first_timestamp.get_or_insert(stamp);
+            let timestamp = stamp.saturating_sub(first);
             self.delivered += 1;
             let ready = self.delivered;
+            let frame = match self.announced.take() {
+                Some(a) => {
+                    debug_assert_eq!(a.frame.ready, ready, "announce_next's value");
+                    Frame {
+                        timestamp,
+                        sequence,
+                        ..a.frame
+                    }
+                }
+                None => Frame {
+                    buffer: Arc::clone(&self.slots[at].buffer),
+                    desc: self.desc,
+                    timestamp,
+                    sequence,
+                    ready,
+                    lease: self.slots[at].lease.clone(),
+                },
+            };
+            self.last = Some((sequence, timestamp));
             self.timeline.signal(ready).map_err(Error::Timeline)?;
-            return Ok(Some(Frame {
-                buffer: Arc::clone(&self.slots[index].buffer),
-                desc: self.desc,
-                timestamp: stamp.saturating_sub(first),
-                sequence,
-                ready,
-                lease: self.slots[index].lease.clone(),
-            }));
+            return Ok(Some(frame));
         }
     }
+
+    fn mirror_timeline(&mut self, mirror: Arc<dyn Timeline>) -> bool {
+        self.mirrors.push(mirror);
+        self.timeline = Arc::new(sync_timeline::bridge::Fanout {
+            primary: Arc::clone(&self.cpu) as Arc<dyn Timeline>,
+            mirrors: self.mirrors.clone(),
+        });
+        true
+    }
+
+    /// The oldest buffer queued to the driver, which it fills next (see the module notes);
+    /// `None` while every buffer is held downstream. Sequence and timestamp are predicted.
+    fn announce_next(&mut self) -> Result<Option<Frame>, Error> {
+        if let Some(a) = &self.announced {
+            return Ok(Some(a.frame.clone()));
+        }
+        self.requeue_free()?;
+        let Some(&index) = self.queue_order.front() else {
+            return Ok(None);
+        };
+        let interval = self
+            .rate
+            .map_or(Duration::ZERO, |r| Duration::from_secs_f64(1.0 / r));
+        let (sequence, timestamp) = match self.last {
+            Some((s, t)) => (s + 1, t + interval),
+            None => (0, Duration::ZERO),
+        };
+        let slot = &self.slots[index];
+        let frame = Frame {
+            buffer: Arc::clone(&slot.buffer),
+            desc: self.desc,
+            timestamp,
+            sequence,
+            ready: self.delivered + 1,
+            lease: slot.lease.clone(),
+        };
+        self.announced = Some(Announced {
+            index,
+            frame: frame.clone(),
+            damaged: false,
+        });
+        Ok(Some(frame))
+    }
+}
+
+/// A frame announced ahead of its capture ([`V4l2Source::announced`]). Its `frame` holds the
+/// buffer's lease, so the buffer is not queued again before the frame is delivered.
+#[derive(Debug)]
+struct Announced {
+    index: usize,
+    frame: Frame,
+    /// The driver returned the buffer flagged damaged: the next good frame is copied into it.
+    damaged: bool,
 }
 
 impl Drop for V4l2Source {
@@ -713,6 +837,57 @@ mod tests {
             src.dropped() > before,
             "frames skipped while held are counted"
         );
+    }
+
+    /// Ahead of the capture: the announced frame's value is not reached (on the source's
+    /// timeline or a mirror) before the driver returns its buffer, announcing again gives the
+    /// same frame, and `next_frame` delivers that buffer at that value, with a real picture in
+    /// it and sequences still rising; no frame is refilled by copying.
+    #[test]
+    #[ignore = "hardware: needs a V4L2 capture device (/dev/video*) offering NV12, YUYV, YU12 or RGB3"]
+    fn announced_frames_are_the_frames_the_camera_delivers() {
+        let cam = a_camera();
+        let mut src = V4l2Source::open(
+            &cam.path,
+            &V4l2Config {
+                width: 320,
+                height: 240,
+                buffers: 3,
+                ..V4l2Config::default()
+            },
+        )
+        .unwrap();
+        let mirror = Arc::new(CpuTimeline::new(0));
+        assert!(src.mirror_timeline(mirror.clone()));
+        let refills = uvm_alloc::CopyLedger::global().stage("v4l2-damaged-refill");
+        let before = refills.bytes();
+        let mut last = None;
+        for _ in 0..20 {
+            let announced = src.announce_next().unwrap().expect("a queued buffer to announce");
+            assert!(src.timeline().value().unwrap() < announced.ready);
+            assert!(mirror.value().unwrap() < announced.ready);
+            let again = src.announce_next().unwrap().unwrap();
+            assert!(Arc::ptr_eq(&again.buffer, &announced.buffer));
+            assert_eq!(again.ready, announced.ready);
+            let f = src.next_frame().unwrap().unwrap();
+            assert!(
+                Arc::ptr_eq(&f.buffer, &announced.buffer),
+                "the delivered frame is in the announced buffer"
+            );
+            assert_eq!(f.ready, announced.ready);
+            assert_eq!(src.timeline().value().unwrap(), f.ready);
+            assert_eq!(mirror.value().unwrap(), f.ready);
+            if let Some(prev) = last {
+                assert!(f.sequence > prev);
+            }
+            last = Some(f.sequence);
+            let g = f
+                .buffer
+                .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)
+                .unwrap();
+            assert!(g.bytes().iter().any(|&b| b != 0), "an all-zero frame");
+        }
+        assert_eq!(refills.bytes(), before, "vivid flags no frame damaged");
     }
 
     /// `V4L2_MEMORY_DMABUF`: the driver writes into buffers uvm-alloc allocated from a

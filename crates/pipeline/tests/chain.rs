@@ -551,8 +551,11 @@ fn replies_follow_the_regex_given_to_pipeline_run() {
 /// (`every 1`, so the decoder falls behind and the live chain must drop, never fail), latest
 /// frame wins, and no byte copied on the way to the decoder. Twice: with the default capture
 /// buffers, and with the fewest (2) under deeper rings, where the source must wait for buffers
-/// to come back while the driver skips frames. Runs under `cargo xtask device-test` where a
-/// camera exists (the VM lab's vivid); ignored (never a pass) elsewhere.
+/// to come back while the driver skips frames. Then once more with frames announced ahead of
+/// their capture (`ahead`): with a render node, the CPU ISP takes each frame before the camera
+/// delivers it and waits for it on a DRM syncobj point mirrored from the camera's timeline.
+/// Runs under `cargo xtask device-test` where a camera exists (the VM lab's vivid); ignored
+/// (never a pass) elsewhere.
 #[test]
 #[ignore = "hardware: needs a V4L2 capture device (/dev/video*) offering NV12, YUYV, YU12 or RGB3"]
 fn the_chain_describes_camera_frames() {
@@ -563,7 +566,12 @@ fn the_chain_describes_camera_frames() {
         .expect("a streaming camera with a format the ISP reads");
     let dir = tiny_vlm();
     let frames = 40;
-    for (depth, buffers) in [(None, None), (Some(3), Some(2))] {
+    let render_node = sync_timeline::drm::RenderNode::discover().is_ok();
+    for (depth, buffers, ahead) in [
+        (None, None, false),
+        (Some(3), Some(2), false),
+        (None, None, true),
+    ] {
         let spec = ChainSpec {
             source: Some(format!("camera:{}:320x240", camera.path.display())),
             model: Some(dir.clone()),
@@ -574,6 +582,7 @@ fn the_chain_describes_camera_frames() {
             policy: Some("exact-f32".into()),
             depth,
             buffers,
+            ahead: Some(ahead),
             ..ChainSpec::default()
         };
         let built = build(&spec, false).unwrap();
@@ -598,15 +607,24 @@ fn the_chain_describes_camera_frames() {
             report.bytes_copied, 0,
             "camera frames are read where the driver put them"
         );
+        if ahead && render_node {
+            assert!(
+                report.frames_submitted_ahead > 0,
+                "no camera frame was taken ahead of its capture"
+            );
+        } else {
+            assert_eq!(report.frames_submitted_ahead, 0);
+        }
         eprintln!(
-            "device-test detail: depth {}, buffers {}: {} frames in, {} described, {} dropped, \
-             {} lost at capture, 0 bytes copied",
+            "device-test detail: depth {}, buffers {}, ahead {ahead}: {} frames in, {} described, \
+             {} dropped, {} lost at capture, {} taken ahead of their capture, 0 bytes copied",
             depth.unwrap_or(2),
             buffers.map_or("default".to_string(), |b| b.to_string()),
             report.frames_in,
             report.frames_decoded,
             report.frames_dropped,
-            report.frames_dropped_at_capture
+            report.frames_dropped_at_capture,
+            report.frames_submitted_ahead
         );
     }
 }

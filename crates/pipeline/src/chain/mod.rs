@@ -711,15 +711,15 @@ fn feed(
                 published: Instant::now(),
                 ready: frame.ready,
             };
-            announced = Some((frame.sequence, frame.ready));
+            announced = Some((frame.ready, Arc::clone(&frame.buffer)));
             open = publish(tx, (frame, item), log);
         }
         let start = Instant::now();
         let delivered = source.next_frame();
-        if let (Some((_, ready)), Ok(None) | Err(_)) = (announced, &delivered) {
+        if let (Some((ready, _)), Ok(None) | Err(_)) = (&announced, &delivered) {
             // Work queued for the announced frame waits for its signal: give it, so the queue
             // goes on (the run ends here anyway).
-            let _ = source.timeline().signal(ready);
+            let _ = source.timeline().signal(*ready);
         }
         let Some(frame) = delivered? else {
             break;
@@ -731,11 +731,14 @@ fn feed(
             continue;
         }
         log.span("capture", Some(frame.sequence), start, start.elapsed());
-        if let Some((sequence, _)) = announced {
-            if sequence != frame.sequence {
+        // The announced frame is the one whose readiness the queued work waits on: its value
+        // and buffer. (A camera predicts its sequence number, which a drop makes lag.)
+        if let Some((ready, buffer)) = &announced {
+            if frame.ready != *ready || !Arc::ptr_eq(&frame.buffer, buffer) {
                 return Err(format!(
-                    "the source announced frame {sequence} and delivered frame {}",
-                    frame.sequence
+                    "the source announced the frame it signals at {ready} and delivered the one \
+                     it signals at {}, or another buffer",
+                    frame.ready
                 )
                 .into());
             }
