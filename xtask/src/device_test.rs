@@ -162,6 +162,12 @@ const TESTS: &[HardwareTest] = &[
     hw(
         "isp-v4l2",
         Target::Lib,
+        "v4l2::tests::announced_frames_are_the_frames_the_camera_delivers",
+        &[Need::Camera],
+    ),
+    hw(
+        "isp-v4l2",
+        Target::Lib,
         "v4l2::tests::a_camera_captures_into_imported_dma_heap_buffers",
         &[Need::Camera, Need::DmaHeap],
     ),
