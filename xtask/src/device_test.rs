@@ -41,6 +41,8 @@ enum Need {
     VulkanCoopMatrix,
     /// A Vulkan adapter whose timeline semaphores other devices can import (opaque fds).
     VulkanTimelineExport,
+    /// A Vulkan adapter that imports dma-bufs (`VK_EXT_external_memory_dma_buf`).
+    VulkanDmaBufImport,
 }
 
 /// Where a test lives: the package's library tests or an integration-test target.
@@ -180,6 +182,12 @@ const TESTS: &[HardwareTest] = &[
     hw(
         "pipeline",
         Target::Test("chain"),
+        "camera_frames_are_submitted_ahead_to_the_gpu_isp",
+        &[Need::Camera, Need::VulkanDmaBufImport],
+    ),
+    hw(
+        "pipeline",
+        Target::Test("chain"),
         "the_frames_handoff_rides_a_drm_syncobj_timeline",
         &[Need::DrmRenderNode],
     ),
@@ -309,7 +317,10 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
         Need::DrmRenderNode | Need::Vgem => "drm_render_nodes",
         Need::Camera => "v4l2_devices",
         Need::Accel => "accel_devices",
-        Need::Vulkan | Need::VulkanCoopMatrix | Need::VulkanTimelineExport => "vulkan",
+        Need::Vulkan
+        | Need::VulkanCoopMatrix
+        | Need::VulkanTimelineExport
+        | Need::VulkanDmaBufImport => "vulkan",
     };
     let entry = &report[class];
     if entry.get("present").and_then(Value::as_bool) == Some(false) {
@@ -353,6 +364,19 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
             ))
         } else {
             Err("vulkan: no adapter exports timeline semaphores as opaque fds".into())
+        };
+    }
+    if need == Need::VulkanDmaBufImport {
+        let found = items.map_or(0, |items| {
+            items
+                .iter()
+                .filter(|i| i["imports_dma_bufs"] == Value::Bool(true))
+                .count()
+        });
+        return if found > 0 {
+            Ok(format!("vulkan: {found} adapter(s) import dma-bufs"))
+        } else {
+            Err("vulkan: no adapter imports dma-bufs (VK_EXT_external_memory_dma_buf)".into())
         };
     }
     if need == Need::Vgem {

@@ -154,6 +154,8 @@ fn vulkan_adapters() -> Value {
                 "cooperative_matrix": coop,
                 // Another device (npu-hal's GPU decoder) can wait on its timelines in its queue.
                 "exports_timelines": sync_timeline::vulkan::adapter_exports_timelines(a),
+                // A GPU ISP reads a camera's dma-bufs in place.
+                "imports_dma_bufs": uvm_alloc::vulkan::adapter_import_caps(a).dma_buf,
             })
         })
         .collect();

@@ -666,8 +666,12 @@ impl FrameSource for V4l2Source {
                     let n = self.desc.byte_len();
                     {
                         let src = from.cpu_access(0..n, Access::Read).map_err(Error::Memory)?;
-                        let mut dst = into.cpu_access(0..n, Access::Write).map_err(Error::Memory)?;
-                        dst.bytes_mut().map_err(Error::Memory)?.copy_from_slice(src.bytes());
+                        let mut dst = into
+                            .cpu_access(0..n, Access::Write)
+                            .map_err(Error::Memory)?;
+                        dst.bytes_mut()
+                            .map_err(Error::Memory)?
+                            .copy_from_slice(src.bytes());
                     }
                     self.refills.record(n);
                     Some(a.index)
@@ -863,7 +867,10 @@ mod tests {
         let before = refills.bytes();
         let mut last = None;
         for _ in 0..20 {
-            let announced = src.announce_next().unwrap().expect("a queued buffer to announce");
+            let announced = src
+                .announce_next()
+                .unwrap()
+                .expect("a queued buffer to announce");
             assert!(src.timeline().value().unwrap() < announced.ready);
             assert!(mirror.value().unwrap() < announced.ready);
             let again = src.announce_next().unwrap().unwrap();

@@ -405,6 +405,33 @@ mod wgpu_interop {
 
     const KHR_SEMAPHORE_FD: &CStr = ash::khr::external_semaphore_fd::NAME;
 
+    /// The imports a device opened on `adapter` with [`open_wgpu_device`] would do (nothing
+    /// when the adapter is not on wgpu's Vulkan backend), without opening one.
+    pub fn adapter_import_caps(adapter: &wgpu::Adapter) -> ImportCaps {
+        // SAFETY: the hal adapter is only borrowed for these queries.
+        let Some(hal_adapter) = (unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }) else {
+            return ImportCaps {
+                dma_buf: false,
+                opaque_fd: false,
+                host_pointer: false,
+                host_pointer_alignment: 0,
+            };
+        };
+        let offered: Vec<&'static CStr> = IMPORT_EXTENSIONS
+            .into_iter()
+            .filter(|e| {
+                hal_adapter
+                    .physical_device_capabilities()
+                    .supports_extension(e)
+            })
+            .collect();
+        ImportCaps::query(
+            hal_adapter.shared_instance().raw_instance(),
+            hal_adapter.raw_physical_device(),
+            &offered,
+        )
+    }
+
     /// Opens a wgpu device on `adapter` (Vulkan backend) with the external-memory extensions the
     /// adapter offers added (and `VK_KHR_external_semaphore_fd`, so its timelines can be waited on
     /// by another device), and reports which imports it can do.
