@@ -299,12 +299,19 @@ fn run(
     out
 }
 
-/// The GPU backend with the tiled prefill attention, which lavapipe would not take by default.
+/// The GPU backend with the tiled prefill attention and the split-K GEMM tile, neither of
+/// which lavapipe takes by default.
 fn gpu() -> Option<VulkanNpu> {
-    match VulkanNpu::new(VulkanConfig {
+    gpu_with(VulkanConfig {
         tiled_attention: Some(true),
+        gemm_split_below: Some(u32::MAX),
         ..VulkanConfig::default()
-    }) {
+    })
+}
+
+/// A GPU backend opened with `config`, as [`gpu`].
+fn gpu_with(config: VulkanConfig) -> Option<VulkanNpu> {
+    match VulkanNpu::new(config) {
         Ok(d) => Some(d),
         Err(e) => {
             let msg = format!(
@@ -404,39 +411,51 @@ fn mx_weights_match_the_cpu() {
 }
 
 /// One prefill-sized linear layer (the GEMM kernels: 100 tokens, a partial tile in both
-/// directions, and a 4100-row matrix of 65 row tiles) with or without its RMSNorm folded in,
-/// every output compared; a mismatch names the first token and row that differ.
+/// directions, a 4100-row matrix of 65 row tiles, and 160 columns, which the split-K tile's 4
+/// groups of 32 do not divide) with or without its RMSNorm folded in, every output compared on
+/// both GEMM tiles (64 x 64, and 32 x 32 split over the columns); a mismatch names the tile and
+/// the first token and row that differ.
 #[test]
 fn a_long_batch_linear_matches_the_cpu() {
-    let Some(mut gpu) = gpu() else { return };
+    let Some(mut gpu) = gpu_with(VulkanConfig {
+        gemm_split_below: Some(0),
+        ..VulkanConfig::default()
+    }) else {
+        return;
+    };
+    let mut split = gpu_with(VulkanConfig {
+        gemm_split_below: Some(u32::MAX),
+        ..VulkanConfig::default()
+    })
+    .expect("a second device on the adapter");
     let mut cpu = CpuNpu::new(CpuConfig {
         threads: 2,
         ..CpuConfig::default()
     })
     .expect("cpu");
     let mut failures = Vec::new();
-    for (storage, norm, rows) in [
-        (Storage::Mx(ElemFormat::Fp4E2M1), true, 100),
-        (Storage::Mx(ElemFormat::Fp4E2M1), false, 100),
-        (Storage::Mx(ElemFormat::Fp8E4M3), true, 100),
-        (Storage::Block(BlockType::Q4_1), true, 100),
-        (Storage::F32, true, 100),
-        (Storage::Mx(ElemFormat::Fp6E2M3), true, 4100),
-        (Storage::Block(BlockType::Q4_1), false, 4100),
+    for (storage, norm, rows, cols) in [
+        (Storage::Mx(ElemFormat::Fp4E2M1), true, 100, HIDDEN),
+        (Storage::Mx(ElemFormat::Fp4E2M1), false, 100, HIDDEN),
+        (Storage::Mx(ElemFormat::Fp8E4M3), true, 100, 160),
+        (Storage::Block(BlockType::Q4_1), true, 100, HIDDEN),
+        (Storage::F32, true, 100, 160),
+        (Storage::Mx(ElemFormat::Fp6E2M3), true, 4100, HIDDEN),
+        (Storage::Block(BlockType::Q4_1), false, 4100, HIDDEN),
     ] {
         let tokens: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
         let mut outs = Vec::new();
-        for device in [&mut cpu as &mut dyn Device, &mut gpu] {
+        for device in [&mut cpu as &mut dyn Device, &mut gpu, &mut split] {
             let mut rng = Rng(7);
             let table = device
-                .load_weight(weight(storage, VOCAB, HIDDEN, &mut rng))
+                .load_weight(weight(storage, VOCAB, cols, &mut rng))
                 .expect("table");
-            let gain = device.load_weight(vector(HIDDEN, &mut rng)).expect("gain");
+            let gain = device.load_weight(vector(cols, &mut rng)).expect("gain");
             let w = device
-                .load_weight(weight(storage, rows, HIDDEN, &mut rng))
+                .load_weight(weight(storage, rows, cols, &mut rng))
                 .expect("weight");
-            let x = device.create_tensor(HIDDEN, MAX_ROWS).expect("x");
-            let xn = device.create_tensor(HIDDEN, MAX_ROWS).expect("xn");
+            let x = device.create_tensor(cols, MAX_ROWS).expect("x");
+            let xn = device.create_tensor(cols, MAX_ROWS).expect("xn");
             let y = device.create_tensor(rows, MAX_ROWS).expect("y");
             let mut ops = vec![Op::Embed { table, out: x }];
             if norm {
@@ -476,33 +495,35 @@ fn a_long_batch_linear_matches_the_cpu() {
                 .expect("read");
             outs.push(out);
         }
-        let (want, got) = (&outs[0], &outs[1]);
+        let want = &outs[0];
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let first_bad = got
-            .iter()
-            .zip(want)
-            .position(|(g, w)| !g.is_finite() || (g - w).abs() > 0.03 * scale);
-        let (max, mean) = if first_bad.is_none() {
-            errors(got, want)
-        } else {
-            (f32::NAN, f32::NAN)
-        };
-        let _ = writeln!(
-            std::io::stderr(),
-            "device-test detail: {storage:?} GEMM, {rows} rows (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
-            gpu.adapter()
-        );
-        if let Some(i) = first_bad {
-            failures.push(format!(
-                "{storage:?}: output (token {}, row {}) is {} on the GPU, {} on the CPU; {} of {} \
-                 outputs are not finite",
-                i / rows,
-                i % rows,
-                got[i],
-                want[i],
-                got.iter().filter(|v| !v.is_finite()).count(),
-                got.len()
-            ));
+        for (tile, got) in ["64 x 64", "32 x 32 split-K"].iter().zip(&outs[1..]) {
+            let first_bad = got
+                .iter()
+                .zip(want)
+                .position(|(g, w)| !g.is_finite() || (g - w).abs() > 0.03 * scale);
+            let (max, mean) = if first_bad.is_none() {
+                errors(got, want)
+            } else {
+                (f32::NAN, f32::NAN)
+            };
+            let _ = writeln!(
+                std::io::stderr(),
+                "device-test detail: {storage:?} GEMM ({tile} tile), {rows} x {cols} (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
+                gpu.adapter()
+            );
+            if let Some(i) = first_bad {
+                failures.push(format!(
+                    "{storage:?}, {rows} x {cols}, {tile} tile: output (token {}, row {}) is {} \
+                     on the GPU, {} on the CPU; {} of {} outputs are not finite",
+                    i / rows,
+                    i % rows,
+                    got[i],
+                    want[i],
+                    got.iter().filter(|v| !v.is_finite()).count(),
+                    got.len()
+                ));
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -91,6 +91,13 @@ pub struct VulkanConfig {
     /// head. `None` (the default, unless `NPU_HAL_TILED_ATTENTION` is 0 or 1): on a GPU, not
     /// on a CPU implementation (lavapipe), the faster on each (README, "Decoder on the GPU").
     pub tiled_attention: Option<bool>,
+    /// Prefill GEMMs whose 64 x 64 tiles would make fewer than this many workgroups take
+    /// 32 x 32 tiles with the columns split over 4 groups of invocations instead (4 times the
+    /// workgroups, each a quarter of the serial depth), for layers too narrow to fill a large
+    /// GPU (SmolLM2's 576-row projections make 72 tiles of 64 x 64 at 512 tokens). `None` (the
+    /// default, unless `NPU_HAL_GEMM_SPLIT_BELOW` is set): 0, never. On lavapipe the split
+    /// tile was slower (README, "Decoder on the GPU"); on a discrete GPU it is not measured yet.
+    pub gemm_split_below: Option<u32>,
 }
 
 impl Default for VulkanConfig {
@@ -107,6 +114,9 @@ impl Default for VulkanConfig {
                 Ok("1") => Some(true),
                 _ => None,
             },
+            gemm_split_below: std::env::var("NPU_HAL_GEMM_SPLIT_BELOW")
+                .ok()
+                .and_then(|v| v.parse().ok()),
         }
     }
 }
@@ -230,6 +240,8 @@ enum Grid {
         accumulate: bool,
         /// Invocations per row of the GEMV variants.
         lanes: u32,
+        /// [`VulkanConfig::gemm_split_below`].
+        split_below: u32,
     },
     /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
     LinearRows { selected: bool },
@@ -391,6 +403,8 @@ pub struct VulkanNpu {
     gemv_lanes: u32,
     /// [`VulkanConfig::tiled_attention`].
     tiled_attention: bool,
+    /// [`VulkanConfig::gemm_split_below`].
+    gemm_split_below: u32,
     kernel_times: Mutex<HashMap<Kernel, (u64, f64)>>,
     counters: Counters,
     wait_timeout: Duration,
@@ -530,6 +544,7 @@ impl VulkanNpu {
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
             tiled_attention: config.tiled_attention.unwrap_or(!ctx.adapter.is_cpu()),
+            gemm_split_below: config.gemm_split_below.unwrap_or(0),
             gemv_lanes: config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
                 CPU_GEMV_LANES
             } else {
@@ -1182,6 +1197,7 @@ impl VulkanNpu {
             format,
             input: kind,
             accumulate: accumulate.is_some(),
+            split_k: false,
         };
         self.push_dispatch(
             p,
@@ -1193,6 +1209,7 @@ impl VulkanNpu {
                 input: kind,
                 accumulate: accumulate.is_some(),
                 lanes: self.gemv_lanes,
+                split_below: self.gemm_split_below,
             },
             push,
             &bufs,
@@ -1912,6 +1929,7 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             input,
             accumulate,
             lanes,
+            split_below,
         } => {
             let m = if sel { selected as u32 } else { n };
             let gemv = |tokens| Kernel::Gemv {
@@ -1925,14 +1943,19 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             match m {
                 0 | 1 => (gemv(1), [groups, 1, 1]),
                 2..=SHORT_BATCH => (gemv(8), [groups, 1, 1]),
-                _ => (
-                    Kernel::Gemm {
-                        format,
-                        input,
-                        accumulate,
-                    },
-                    [rows.div_ceil(64), m.div_ceil(64), 1],
-                ),
+                _ => {
+                    let split_k = rows.div_ceil(64) * m.div_ceil(64) < split_below;
+                    let tile = if split_k { 32 } else { 64 };
+                    (
+                        Kernel::Gemm {
+                            format,
+                            input,
+                            accumulate,
+                            split_k,
+                        },
+                        [rows.div_ceil(tile), m.div_ceil(tile), 1],
+                    )
+                }
             }
         }
     }

@@ -129,10 +129,13 @@ pub(crate) enum Kernel {
         input: LinearInput,
         accumulate: bool,
     },
+    /// A GEMM tiled 64 rows x 64 tokens, or, with `split_k`, 32 x 32 with the columns split
+    /// over 4 groups of invocations (`shaders/linear_gemm.wgsl`).
     Gemm {
         format: WeightFormat,
         input: LinearInput,
         accumulate: bool,
+        split_k: bool,
     },
     Embed {
         format: WeightFormat,
@@ -239,7 +242,12 @@ impl Kernel {
                 format,
                 input,
                 accumulate,
+                split_k,
             } => {
+                let (tile, groups) = if split_k { (32, 4) } else { (64, 1) };
+                s.push_str(&format!(
+                    "const BM: u32 = {tile}u;\nconst BN: u32 = {tile}u;\nconst KS: u32 = {groups}u;\n"
+                ));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMM);
@@ -558,11 +566,12 @@ mod tests {
                             accumulate,
                         }));
                     }
-                    kernels.extend([Kernel::Gemm {
+                    kernels.extend([false, true].map(|split_k| Kernel::Gemm {
                         format,
                         input,
                         accumulate,
-                    }]);
+                        split_k,
+                    }));
                 }
             }
         }
