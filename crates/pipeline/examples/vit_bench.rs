@@ -6,7 +6,9 @@
 //! [small|blocked|register|register-f16|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
 //! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_ROWS=64|128` picks the tensor-core GEMM's block;
-//! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX)
+//! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
+//! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
+//! `median_ms` is then per batch, `ms_per_image` per image)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -93,6 +95,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|i| ((i % 255) as f32 / 127.5) - 1.0)
         .collect();
     let profile = args.iter().skip(6).any(|a| a == "profile");
+    let batch: usize = match args.iter().find_map(|a| a.strip_prefix("batch:")) {
+        Some(n) => n.parse()?,
+        None => 1,
+    };
+    if batch > 1 && backend != "gpu" {
+        return Err("batch:N is for the gpu backend".into());
+    }
     let mut kernel_ms: Option<serde_json::Map<String, serde_json::Value>> = None;
     let mut times = Vec::with_capacity(iters);
     let device_name;
@@ -123,11 +132,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 desc.required_features |= stamps;
             }
             let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
-            let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(&device, &cpu, options)?;
+            let gpu =
+                pipeline::vision_gpu::GpuVisionEncoder::with_batch(&device, &cpu, options, batch)?;
             kernels_built = Some(format!("{:?}", gpu.options()));
+            let images: Vec<f32> = pixels.repeat(batch);
             let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("pixels"),
-                contents: bytemuck::cast_slice(&pixels),
+                contents: bytemuck::cast_slice(&images),
                 usage: wgpu::BufferUsages::STORAGE,
             });
             let output = device.create_buffer(&wgpu::BufferDescriptor {
@@ -161,17 +172,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "kernels": kernels_built.unwrap_or_else(|| format!("{options:?}")),
             "device": device_name,
             "iters": times.len(),
+            "batch": batch,
             "median_ms": median,
             "min_ms": times[0],
+            "ms_per_image": median / batch as f64,
+            "images_per_s": 1e3 * batch as f64 / median,
             "gflop_per_image": cpu.flops() / 1e9,
-            "tflops_at_median": cpu.flops() / (median * 1e-3) / 1e12,
+            "tflops_at_median": cpu.flops() * batch as f64 / (median * 1e-3) / 1e12,
             "kernel_ms": kernel_ms,
         })
     );
     Ok(())
 }
 
-/// One image with a timestamp after every dispatch: milliseconds per kernel, summed over its
+/// One encode (a batch) with a timestamp after every dispatch: milliseconds per kernel, summed over its
 /// dispatches, plus `gaps` (time between dispatches: barriers and launch).
 fn profile_one(
     device: &wgpu::Device,

@@ -58,6 +58,8 @@ struct Dispatch {
 /// The tower and connector on one wgpu device.
 pub struct GpuVisionEncoder {
     config: VisionConfig,
+    /// Images per encode ([`GpuVisionEncoder::with_batch`]).
+    batch: usize,
     /// Indexed like KERNEL_NAMES; `None` for modules this encoder did not build.
     pipelines: Vec<Option<wgpu::ComputePipeline>>,
     options: GpuVisionOptions,
@@ -70,7 +72,8 @@ pub struct GpuVisionEncoder {
     projection: Projection,
     im2col_params: wgpu::Buffer,
     projection_params: wgpu::Buffer,
-    shuffle_bind: wgpu::BindGroup,
+    /// The pixel shuffle of each image of the batch.
+    shuffle_binds: Vec<wgpu::BindGroup>,
     /// Bound in the bias slot of GEMMs without a bias; their flag leaves it unread.
     no_bias: wgpu::Buffer,
 }
@@ -460,6 +463,44 @@ fn bind_buffers(
     })
 }
 
+/// One image's share of a batch buffer: `(buffer, image, bytes per image)`.
+type Slice<'a> = (&'a wgpu::Buffer, usize, u64);
+
+/// [`bind_buffers`] with every buffer bound to one image's bytes of it.
+fn bind_slices(
+    device: &wgpu::Device,
+    pipeline: &wgpu::ComputePipeline,
+    slices: &[Slice<'_>],
+) -> wgpu::BindGroup {
+    let entries: Vec<wgpu::BindGroupEntry<'_>> = slices
+        .iter()
+        .enumerate()
+        .map(|(i, &(b, image, stride))| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: b,
+                offset: image as u64 * stride,
+                size: std::num::NonZeroU64::new(stride),
+            }),
+        })
+        .collect();
+    device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipeline.get_bind_group_layout(0),
+        entries: &entries,
+    })
+}
+
+/// Image `image`'s share of a batch buffer holding `elems` values of `bytes` bytes per image.
+fn share_of(buffer: &wgpu::Buffer, image: usize, elems: usize, bytes: usize) -> Slice<'_> {
+    (buffer, image, (elems * bytes) as u64)
+}
+
+/// All of `buffer`, as a [`Slice`].
+fn whole(buffer: &wgpu::Buffer) -> Slice<'_> {
+    (buffer, 0, buffer.size())
+}
+
 fn groups_1d(len: u32) -> (u32, u32, u32) {
     let g = len.div_ceil(64);
     if g <= 65535 {
@@ -484,9 +525,32 @@ impl GpuVisionEncoder {
     pub fn with_options(
         device: &wgpu::Device,
         cpu: &VisionEncoder,
+        options: GpuVisionOptions,
+    ) -> Result<GpuVisionEncoder, GpuVisionError> {
+        GpuVisionEncoder::with_batch(device, cpu, options, 1)
+    }
+
+    /// [`GpuVisionEncoder::with_options`] for `batch` images per encode (SmolVLM's tiles of
+    /// one frame, or several frames), recorded as one submission: every GEMM and LayerNorm
+    /// takes the batch's rows at once, while the patch extraction, the attention and the
+    /// pixel shuffle run once per image on its share of the buffers. Inputs and outputs hold
+    /// the images one after another. With `batch > 1` each image's share of every buffer must
+    /// start at the device's storage-offset alignment (true of the SigLIP shapes), else it is
+    /// refused by name.
+    ///
+    /// # Errors
+    /// As [`GpuVisionEncoder::with_options`]; [`GpuVisionError::Invalid`] for a batch of 0, or
+    /// shares that are not aligned.
+    pub fn with_batch(
+        device: &wgpu::Device,
+        cpu: &VisionEncoder,
         mut options: GpuVisionOptions,
+        batch: usize,
     ) -> Result<GpuVisionEncoder, GpuVisionError> {
         let c = cpu.config.clone();
+        if batch == 0 {
+            return Err(GpuVisionError::Invalid("a batch of 0 images".into()));
+        }
         let h = c.hidden;
         let hd = h / c.heads;
         if hd > 128 {
@@ -497,7 +561,7 @@ impl GpuVisionEncoder {
         let n = side * side;
         let pp = 3 * c.patch_size * c.patch_size;
         let check = |what: &'static str, elems: usize| {
-            let bytes = elems as u64 * 4;
+            let bytes = elems as u64 * 4 * batch as u64;
             if bytes > limit {
                 Err(GpuVisionError::TooLarge { what, bytes, limit })
             } else {
@@ -509,6 +573,30 @@ impl GpuVisionEncoder {
             n * c.intermediate.max(pp).max(3 * h),
         )?;
         check("the connector input", n * h)?;
+        // The rows every GEMM and LayerNorm takes: the batch's patches.
+        let m = batch * n;
+        let f2 = c.scale_factor * c.scale_factor;
+        let tokens = c.image_tokens();
+        if batch > 1 {
+            let align = u64::from(device.limits().min_storage_buffer_offset_alignment);
+            let s = c.image_size;
+            for (what, bytes) in [
+                ("an image", 3 * s * s * 4),
+                ("an image's patches", n * pp * 4),
+                ("an image's activations", n * h * 4),
+                ("an image's f16 activations", n * h * 2),
+                ("an image's f16 QKV", n * 3 * h * 2),
+                ("an image's shuffled features", tokens * h * f2 * 4),
+            ] {
+                if !(bytes as u64).is_multiple_of(align) {
+                    return Err(GpuVisionError::Invalid(format!(
+                        "a batch of {batch}: {what} takes {bytes} bytes, not a multiple of the \
+                         device's {align}-byte storage-offset alignment; encode these images \
+                         one at a time"
+                    )));
+                }
+            }
+        }
         if options.gemm == GemmKernel::Coop {
             if !device.features().contains(COOP_FEATURES) {
                 return Err(GpuVisionError::Unsupported(
@@ -703,12 +791,14 @@ impl GpuVisionEncoder {
             }
         };
         let no_bias = upload("no bias", &[0.0]);
-        let patches = scratch("patches", n * pp);
-        let x = scratch("x", n * h);
-        let vision_out = scratch("vision out", n * h);
-        let f2 = c.scale_factor * c.scale_factor;
-        let tokens = c.image_tokens();
-        let shuffled = scratch("shuffled", tokens * h * f2);
+        let patches = scratch("patches", m * pp);
+        let x = scratch("x", m * h);
+        let vision_out = scratch("vision out", m * h);
+        let shuffled = scratch("shuffled", batch * tokens * h * f2);
+        let bind_image = |pipeline: usize, slices: &[Slice<'_>]| {
+            let built = pipelines[pipeline].as_ref().expect("the module was built");
+            bind_slices(device, built, slices)
+        };
         let mut body = Vec::new();
         let eps = c.layer_norm_eps.to_bits();
         // A LayerNorm of x's rows into `dst`, f32 or (coop) f16.
@@ -717,11 +807,11 @@ impl GpuVisionEncoder {
                     (w, b): (&wgpu::Buffer, &wgpu::Buffer),
                     dst: &wgpu::Buffer,
                     f16_out: bool| {
-            let params = uniform(&[n as u32, h as u32, eps, 0]);
+            let params = uniform(&[m as u32, h as u32, eps, 0]);
             let (pipeline, groups) = if f16_out {
-                (LAYER_NORM_F16, n.div_ceil(4) as u32)
+                (LAYER_NORM_F16, m.div_ceil(4) as u32)
             } else {
-                (LAYER_NORM, n as u32)
+                (LAYER_NORM, m as u32)
             };
             body.push(Dispatch {
                 pipeline,
@@ -768,30 +858,40 @@ impl GpuVisionEncoder {
         };
         let positions = upload("positions", &cpu.positions);
         let add_params = uniform(&[(n * h) as u32, 0, 0, 0]);
-        let add_positions = Dispatch {
-            pipeline: ADD,
-            bind: bind(ADD, &[&positions, &x, &add_params]),
-            groups: groups_1d((n * h) as u32),
-        };
+        let add_positions: Vec<Dispatch> = (0..batch)
+            .map(|i| Dispatch {
+                pipeline: ADD,
+                bind: bind_image(
+                    ADD,
+                    &[
+                        whole(&positions),
+                        share_of(&x, i, n * h, 4),
+                        whole(&add_params),
+                    ],
+                ),
+                groups: groups_1d((n * h) as u32),
+            })
+            .collect();
         let b_patch = upload("patch b", &cpu.patch.1);
         // The f16 input of the GEMMs that read f32 (the patch embedding and the connector).
-        let gemm_in16 = coop.then(|| scratch_f16("gemm input f16", (n * pp).max(tokens * h * f2)));
+        let gemm_in16 =
+            coop.then(|| scratch_f16("gemm input f16", batch * (n * pp).max(tokens * h * f2)));
         if let Some(x16) = &gemm_in16 {
-            let len = uniform(&[(n * pp) as u32, 0, 0, 0]);
+            let len = uniform(&[(m * pp) as u32, 0, 0, 0]);
             body.push(Dispatch {
                 pipeline: TO_F16,
                 bind: bind(TO_F16, &[&patches, x16, &len]),
-                groups: groups_1d((n * pp) as u32),
+                groups: groups_1d((m * pp) as u32),
             });
             let w = weight("patch w", cpu.patch.0.data(), pp, true)?;
-            gemm(&mut body, x16, &w, Some(&b_patch), &x, (n, h, pp), 0);
-            body.push(add_positions);
+            gemm(&mut body, x16, &w, Some(&b_patch), &x, (m, h, pp), 0);
+            body.extend(add_positions);
             // Per layer: LN -> QKV (f16) -> attention (f16) -> O (+x) -> LN -> fc1+GELU (f16)
             // -> fc2 (+x). The attention output reuses the LN output's buffer, which the QKV
             // GEMM has consumed by then.
-            let xn16 = scratch_f16("x normed f16", n * h);
-            let qkv16 = scratch_f16("qkv f16", n * 3 * h);
-            let mid16 = scratch_f16("mlp f16", n * c.intermediate);
+            let xn16 = scratch_f16("x normed f16", m * h);
+            let qkv16 = scratch_f16("qkv f16", m * 3 * h);
+            let mid16 = scratch_f16("mlp f16", m * c.intermediate);
             let attn_params = uniform(&[
                 n as u32,
                 c.heads as u32,
@@ -824,7 +924,7 @@ impl GpuVisionEncoder {
                 let inter = c.intermediate;
                 let (f2w, f2b) = (w("fc2 w", l.fc2.0.data(), inter)?, up("fc2 b", &l.fc2.1));
                 norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true);
-                let qkv_shape = (n, 3 * h, h);
+                let qkv_shape = (m, 3 * h, h);
                 gemm(
                     &mut body,
                     &xn16,
@@ -834,22 +934,28 @@ impl GpuVisionEncoder {
                     qkv_shape,
                     GEMM_F16_OUT,
                 );
-                body.push(Dispatch {
-                    pipeline: ATTENTION_COOP,
-                    bind: bind(ATTENTION_COOP, &[&qkv16, &xn16, &attn_params, &qkv16]),
-                    groups: ((n / (16 * query_subgroups)) as u32, c.heads as u32, 1),
-                });
+                for i in 0..batch {
+                    let qkv = share_of(&qkv16, i, n * 3 * h, 2);
+                    body.push(Dispatch {
+                        pipeline: ATTENTION_COOP,
+                        bind: bind_image(
+                            ATTENTION_COOP,
+                            &[qkv, share_of(&xn16, i, n * h, 2), whole(&attn_params), qkv],
+                        ),
+                        groups: ((n / (16 * query_subgroups)) as u32, c.heads as u32, 1),
+                    });
+                }
                 gemm(
                     &mut body,
                     &xn16,
                     &ow,
                     Some(&ob),
                     &x,
-                    (n, h, h),
+                    (m, h, h),
                     GEMM_RESIDUAL,
                 );
                 norm(&mut body, &x, (&ln2w, &ln2b), &xn16, true);
-                let fc1_shape = (n, c.intermediate, h);
+                let fc1_shape = (m, c.intermediate, h);
                 gemm(
                     &mut body,
                     &xn16,
@@ -859,7 +965,7 @@ impl GpuVisionEncoder {
                     fc1_shape,
                     GEMM_GELU | GEMM_F16_OUT,
                 );
-                let fc2_shape = (n, h, c.intermediate);
+                let fc2_shape = (m, h, c.intermediate);
                 gemm(
                     &mut body,
                     &mid16,
@@ -878,18 +984,18 @@ impl GpuVisionEncoder {
                 &w_patch,
                 Some(&b_patch),
                 &x,
-                (n, h, pp),
+                (m, h, pp),
                 0,
             );
-            body.push(add_positions);
-            let xn = scratch("x normed", n * h);
+            body.extend(add_positions);
+            let xn = scratch("x normed", m * h);
             let (q, k, v, a) = (
-                scratch("q", n * h),
-                scratch("k", n * h),
-                scratch("v", n * h),
-                scratch("attention", n * h),
+                scratch("q", m * h),
+                scratch("k", m * h),
+                scratch("v", m * h),
+                scratch("attention", m * h),
             );
-            let mid = scratch("mlp", n * c.intermediate);
+            let mid = scratch("mlp", m * c.intermediate);
             let attn_params = uniform(&[
                 n as u32,
                 c.heads as u32,
@@ -918,28 +1024,38 @@ impl GpuVisionEncoder {
                 let (f1w, f1b) = lin("fc1", &l.fc1)?;
                 let (f2w, f2b) = lin("fc2", &l.fc2)?;
                 norm(&mut body, &x, (&ln1w, &ln1b), &xn, false);
-                linear(&mut body, &xn, &qw, Some(&qb), &q, (n, h, h), 0);
-                linear(&mut body, &xn, &kw, Some(&kb), &k, (n, h, h), 0);
-                linear(&mut body, &xn, &vw, Some(&vb), &v, (n, h, h), 0);
+                linear(&mut body, &xn, &qw, Some(&qb), &q, (m, h, h), 0);
+                linear(&mut body, &xn, &kw, Some(&kb), &k, (m, h, h), 0);
+                linear(&mut body, &xn, &vw, Some(&vb), &v, (m, h, h), 0);
                 // The tiled kernel keeps 16 x head_dim of Q, K and V in workgroup memory: up to 64.
-                body.push(if hd <= 64 && options.attention == AttentionKernel::Tiled {
-                    Dispatch {
-                        pipeline: ATTENTION_TILED,
-                        bind: bind(ATTENTION_TILED, &[&q, &k, &v, &a, &attn_params]),
-                        groups: ((n as u32).div_ceil(16), c.heads as u32, 1),
-                    }
-                } else {
-                    Dispatch {
-                        pipeline: ATTENTION,
-                        bind: bind(ATTENTION, &[&q, &k, &v, &a, &attn_params]),
-                        groups: ((n as u32).div_ceil(64), c.heads as u32, 1),
-                    }
-                });
-                linear(&mut body, &a, &ow, Some(&ob), &x, (n, h, h), 4);
+                let (pipeline, per_group) =
+                    if hd <= 64 && options.attention == AttentionKernel::Tiled {
+                        (ATTENTION_TILED, 16)
+                    } else {
+                        (ATTENTION, 64)
+                    };
+                for i in 0..batch {
+                    let share = |b| share_of(b, i, n * h, 4);
+                    body.push(Dispatch {
+                        pipeline,
+                        bind: bind_image(
+                            pipeline,
+                            &[
+                                share(&q),
+                                share(&k),
+                                share(&v),
+                                share(&a),
+                                whole(&attn_params),
+                            ],
+                        ),
+                        groups: ((n as u32).div_ceil(per_group), c.heads as u32, 1),
+                    });
+                }
+                linear(&mut body, &a, &ow, Some(&ob), &x, (m, h, h), 4);
                 norm(&mut body, &x, (&ln2w, &ln2b), &xn, false);
-                let fc1_shape = (n, c.intermediate, h);
+                let fc1_shape = (m, c.intermediate, h);
                 linear(&mut body, &xn, &f1w, Some(&f1b), &mid, fc1_shape, 2);
-                let fc2_shape = (n, h, c.intermediate);
+                let fc2_shape = (m, h, c.intermediate);
                 linear(&mut body, &mid, &f2w, Some(&f2b), &x, fc2_shape, 4);
             }
         }
@@ -949,21 +1065,38 @@ impl GpuVisionEncoder {
         );
         norm(&mut body, &x, (&pw, &pb), &vision_out, false);
         let shuffle_params = uniform(&[side as u32, h as u32, c.scale_factor as u32, 0]);
-        let shuffle_bind = bind(SHUFFLE, &[&vision_out, &shuffled, &shuffle_params]);
+        let shuffle_binds = (0..batch)
+            .map(|i| {
+                bind_image(
+                    SHUFFLE,
+                    &[
+                        share_of(&vision_out, i, n * h, 4),
+                        share_of(&shuffled, i, tokens * h * f2, 4),
+                        whole(&shuffle_params),
+                    ],
+                )
+            })
+            .collect();
         // The connector's projection: on tensor cores when its sizes fit the GEMM's contract.
         let projection_fits = c.text_hidden.is_multiple_of(8) && (h * f2).is_multiple_of(4);
         let projection = match gemm_in16.filter(|_| projection_fits) {
             Some(x16) => Projection::Coop {
                 w: weight("projection", cpu.projection.data(), h * f2, true)?,
                 x16,
-                len: uniform(&[(tokens * h * f2) as u32, 0, 0, 0]),
+                len: uniform(&[(batch * tokens * h * f2) as u32, 0, 0, 0]),
             },
             None => Projection::F32(weight("projection", cpu.projection.data(), h * f2, false)?),
         };
-        let projection_params = uniform(&[tokens as u32, c.text_hidden as u32, (h * f2) as u32, 0]);
+        let projection_params = uniform(&[
+            (batch * tokens) as u32,
+            c.text_hidden as u32,
+            (h * f2) as u32,
+            0,
+        ]);
         let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);
         Ok(GpuVisionEncoder {
             config: c,
+            batch,
             pipelines,
             options,
             body,
@@ -973,7 +1106,7 @@ impl GpuVisionEncoder {
             projection,
             im2col_params,
             projection_params,
-            shuffle_bind,
+            shuffle_binds,
             no_bias,
         })
     }
@@ -995,19 +1128,26 @@ impl GpuVisionEncoder {
         &self.config
     }
 
-    /// Bytes the output buffer needs: `image_tokens x text_hidden` f32.
-    pub fn output_bytes(&self) -> u64 {
-        (self.config.image_tokens() * self.config.text_hidden * 4) as u64
+    /// Images per encode ([`GpuVisionEncoder::with_batch`]; 1 otherwise).
+    pub fn batch(&self) -> usize {
+        self.batch
     }
 
-    /// The tower's last hidden state buffer (`patches x hidden` f32), valid after a recorded
-    /// encode has run; for callers (and tests) that want the vision features themselves.
+    /// Bytes the output buffer needs: `image_tokens x text_hidden` f32 per image of the batch.
+    pub fn output_bytes(&self) -> u64 {
+        (self.batch * self.config.image_tokens() * self.config.text_hidden * 4) as u64
+    }
+
+    /// The tower's last hidden state buffer (`patches x hidden` f32 per image of the batch),
+    /// valid after a recorded encode has run; for callers (and tests) that want the vision
+    /// features themselves.
     pub fn vision_output(&self) -> &wgpu::Buffer {
         &self.vision_out
     }
 
-    /// Records one image's encode into `encoder`: `pixels` holds `3 x image_size x image_size`
-    /// f32 (CHW, normalised, as the ISP writes it), `out` receives the connector's output.
+    /// Records one encode of the batch into `encoder`: `pixels` holds `3 x image_size x
+    /// image_size` f32 per image (CHW, normalised, as the ISP writes it), `out` receives the
+    /// connector's output, image after image.
     ///
     /// # Errors
     /// [`GpuVisionError::BufferTooSmall`] when `pixels` or `out` is smaller than the encode reads or writes
@@ -1023,10 +1163,10 @@ impl GpuVisionEncoder {
         self.record_profiled(device, encoder, pixels, out, None)
     }
 
-    /// Bytes of the input tensor an encode reads (`3 x image_size x image_size` f32).
+    /// Bytes of the input tensor an encode reads (`3 x image_size x image_size` f32 per image).
     pub fn input_bytes(&self) -> u64 {
         let s = self.config.image_size as u64;
-        3 * s * s * 4
+        3 * s * s * 4 * self.batch as u64
     }
 
     /// Refuses buffers smaller than the encode reads or writes.
@@ -1054,9 +1194,9 @@ impl GpuVisionEncoder {
             Projection::Coop { .. } => vec![TO_F16, GEMM_COOP],
             Projection::F32(w) => vec![w.f32_pipeline(self.options.gemm, k).0],
         };
-        std::iter::once(IM2COL)
+        std::iter::repeat_n(IM2COL, self.batch)
             .chain(self.body.iter().map(|d| d.pipeline))
-            .chain(std::iter::once(SHUFFLE))
+            .chain(std::iter::repeat_n(SHUFFLE, self.batch))
             .chain(projection.iter().copied())
             .map(|p| KERNEL_NAMES[p])
             .collect()
@@ -1082,10 +1222,21 @@ impl GpuVisionEncoder {
         let bind = |pipeline: usize, buffers: &[&wgpu::Buffer]| {
             bind_buffers(device, self.pipeline(pipeline), buffers)
         };
-        let im2col = bind(IM2COL, &[pixels, &self.patches, &self.im2col_params]);
+        let s = c.image_size;
+        let im2col: Vec<wgpu::BindGroup> = (0..self.batch)
+            .map(|i| {
+                let slices = [
+                    share_of(pixels, i, 3 * s * s, 4),
+                    share_of(&self.patches, i, n * pp, 4),
+                    whole(&self.im2col_params),
+                ];
+                bind_slices(device, self.pipeline(IM2COL), &slices)
+            })
+            .collect();
+        let batch_tokens = self.batch * c.image_tokens();
         let f2 = c.scale_factor * c.scale_factor;
         // The connector's projection: on tensor cores (convert, then multiply) or in f32.
-        let (tokens, width) = (c.image_tokens(), c.text_hidden);
+        let width = c.text_hidden;
         let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.projection {
             Projection::Coop { w, x16, len } => {
                 let rows = self.options.coop_block_rows as usize;
@@ -1097,12 +1248,16 @@ impl GpuVisionEncoder {
                     (
                         TO_F16,
                         bind(TO_F16, &[&self.shuffled, x16, len]),
-                        groups_1d((tokens * c.hidden * f2) as u32),
+                        groups_1d((batch_tokens * c.hidden * f2) as u32),
                     ),
                     (
                         GEMM_COOP,
                         gemm_bind,
-                        (width.div_ceil(64) as u32, tokens.div_ceil(rows) as u32, 1),
+                        (
+                            width.div_ceil(64) as u32,
+                            batch_tokens.div_ceil(rows) as u32,
+                            1,
+                        ),
                     ),
                 ]
             }
@@ -1114,7 +1269,7 @@ impl GpuVisionEncoder {
                     bind(pipeline, &buffers),
                     (
                         (width as u32).div_ceil(tile),
-                        (tokens as u32).div_ceil(tile),
+                        (batch_tokens as u32).div_ceil(tile),
                         1,
                     ),
                 )]
@@ -1137,15 +1292,19 @@ impl GpuVisionEncoder {
                 pass.write_timestamp(q, written);
             }
         };
-        run(IM2COL, &im2col, groups_1d((n * pp) as u32));
+        for bind in &im2col {
+            run(IM2COL, bind, groups_1d((n * pp) as u32));
+        }
         for d in &self.body {
             run(d.pipeline, &d.bind, d.groups);
         }
-        run(
-            SHUFFLE,
-            &self.shuffle_bind,
-            groups_1d((c.image_tokens() * c.hidden * f2) as u32),
-        );
+        for bind in &self.shuffle_binds {
+            run(
+                SHUFFLE,
+                bind,
+                groups_1d((c.image_tokens() * c.hidden * f2) as u32),
+            );
+        }
         for (pipeline, bind, groups) in &project {
             run(*pipeline, bind, *groups);
         }

@@ -240,6 +240,25 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                  CPU reference by {rel}"
             );
         }
+        // A batch of 3 images in one submission: each image's output is its encode alone.
+        let images: Vec<Vec<f32>> = (0..3)
+            .map(|k| pixels.iter().map(|v| v * (1.0 - 0.25 * k as f32)).collect())
+            .collect();
+        let one = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+        let batched = GpuVisionEncoder::with_batch(&gpu_device.0, &cpu, options, 3).unwrap();
+        let all: Vec<f32> = images.iter().flatten().copied().collect();
+        let got = encode_on_gpu(&gpu_device, &batched, &all);
+        let per_image = got.len() / 3;
+        for (k, image) in images.iter().enumerate() {
+            let alone = encode_on_gpu(&gpu_device, &one, image);
+            let share = &got[k * per_image..(k + 1) * per_image];
+            assert!(
+                share == alone.as_slice(),
+                "coop encoder ({image_size}px): image {k} of a batch of 3 differs from its \
+                 encode alone by {}",
+                rel_diff(share, &alone)
+            );
+        }
         // MX weights decoded as the GEMM stages its weight tiles, against the CPU with the
         // same rounded weights.
         for format in [mx_quant::ElemFormat::Fp8E4M3, mx_quant::ElemFormat::Fp4E2M1] {
@@ -598,6 +617,60 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             "{options:?}: GPU differs from the CPU reference by {rel}"
         );
     }
+}
+
+/// A batch of images in one submission (`GpuVisionEncoder::with_batch`): each image's output is
+/// the one it gets encoded alone, bit for bit, and within the CPU reference's tolerance.
+#[test]
+fn a_batch_of_images_encodes_as_each_image_alone() {
+    let Some(adapter) = vulkan_adapter() else {
+        return;
+    };
+    let gpu_device = uvm_alloc::vulkan::open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let (cpu, _) = random_tower(160, (192, 768, 3), 100, 11);
+    let images: Vec<Vec<f32>> = (0..3)
+        .map(|k| {
+            (0..3 * 160 * 160)
+                .map(|i| (((i + 1000 * k) * 7919) % 255) as f32 / 127.5 - 1.0)
+                .collect()
+        })
+        .collect();
+    use pipeline::vision_gpu::{AttentionKernel, GemmKernel, GpuVisionEncoder, GpuVisionOptions};
+    for (gemm, attention) in [
+        (GemmKernel::Register, AttentionKernel::Tiled),
+        (GemmKernel::Small, AttentionKernel::PerQuery),
+    ] {
+        let options = GpuVisionOptions {
+            gemm,
+            attention,
+            coop_block_rows: 0,
+            mx_weights: None,
+        };
+        let one = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+        let batched = GpuVisionEncoder::with_batch(&gpu_device.0, &cpu, options, 3).unwrap();
+        assert_eq!(batched.input_bytes(), 3 * one.input_bytes());
+        assert_eq!(batched.output_bytes(), 3 * one.output_bytes());
+        let all: Vec<f32> = images.iter().flatten().copied().collect();
+        let got = encode_on_gpu(&gpu_device, &batched, &all);
+        let per_image = got.len() / 3;
+        for (k, image) in images.iter().enumerate() {
+            let alone = encode_on_gpu(&gpu_device, &one, image);
+            let share = &got[k * per_image..(k + 1) * per_image];
+            assert!(
+                share == alone.as_slice(),
+                "{options:?}: image {k} of the batch differs from its encode alone by {}",
+                rel_diff(share, &alone)
+            );
+            let rel = rel_diff(share, &cpu.encode(image).unwrap());
+            assert!(
+                rel < 1e-4,
+                "{options:?}: image {k} is {rel} off the CPU reference"
+            );
+        }
+    }
+    let e = GpuVisionEncoder::with_batch(&gpu_device.0, &cpu, GpuVisionOptions::default(), 0)
+        .unwrap_err();
+    assert!(e.to_string().contains("batch of 0"), "{e}");
 }
 
 /// The encoder's modules may run without bounds checks, so `record` refuses buffers smaller
