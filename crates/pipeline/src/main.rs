@@ -169,12 +169,14 @@ enum Cmd {
         /// GGUF file.
         #[arg(long)]
         vlm: PathBuf,
-        /// An image file (PNG/JPEG), resized and normalised by the ISP.
-        #[arg(long, conflicts_with = "pixels", required_unless_present = "pixels")]
-        image: Option<PathBuf>,
-        /// Pixel values already normalised, f32 .npy of 3 x S x S (or 1 x 3 x S x S).
-        #[arg(long)]
-        pixels: Option<PathBuf>,
+        /// Image files (PNG/JPEG), resized and normalised by the ISP. Several are encoded as
+        /// one batch, in one GPU submission, and the output gains a leading batch axis.
+        #[arg(long, num_args = 1.., conflicts_with = "pixels", required_unless_present = "pixels")]
+        image: Vec<PathBuf>,
+        /// Pixel values already normalised, f32 .npy of 3 x S x S (or 1 x 3 x S x S); several
+        /// as for --image.
+        #[arg(long, num_args = 1..)]
+        pixels: Vec<PathBuf>,
         /// Which output: the vision tower's last hidden state, or the connector's.
         #[arg(long, value_enum, default_value = "connector")]
         stage: StageArg,
@@ -1186,51 +1188,78 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let cpu = pipeline::vision::VisionEncoder::open_path(&vlm)?;
             let s = cpu.config().image_size;
-            let values = match (&image, &pixels) {
-                (_, Some(path)) => pipeline::vision::read_pixels_npy(path, s)?,
-                (Some(path), None) => {
-                    let options = SourceOptions {
-                        pacing: Pacing::AsFastAsPossible,
-                        ..SourceOptions::default()
-                    };
-                    let mut src = open_source(&format!("file:{}", path.display()), &options)?;
-                    let f = src.next_frame()?.ok_or("the image has no frame")?;
-                    let access = f
-                        .buffer
-                        .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)?;
-                    // SigLIP's normalisation: mean 0.5, std 0.5 (values in -1..1), CHW.
-                    let p = Preprocess {
-                        width: s,
-                        height: s,
-                        ..Default::default()
-                    };
-                    let mut values = vec![0f32; 3 * s * s];
-                    preprocess(&f.desc, access.bytes(), &p, &mut values)?;
-                    values
-                }
-                (None, None) => return Err("pass --image or --pixels".into()),
+            let read = |image: Option<&PathBuf>,
+                        pixels: Option<&PathBuf>|
+             -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+                Ok(match (image, pixels) {
+                    (_, Some(path)) => pipeline::vision::read_pixels_npy(path, s)?,
+                    (Some(path), None) => {
+                        let options = SourceOptions {
+                            pacing: Pacing::AsFastAsPossible,
+                            ..SourceOptions::default()
+                        };
+                        let mut src = open_source(&format!("file:{}", path.display()), &options)?;
+                        let f = src.next_frame()?.ok_or("the image has no frame")?;
+                        let access = f
+                            .buffer
+                            .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)?;
+                        // SigLIP's normalisation: mean 0.5, std 0.5 (values in -1..1), CHW.
+                        let p = Preprocess {
+                            width: s,
+                            height: s,
+                            ..Default::default()
+                        };
+                        let mut values = vec![0f32; 3 * s * s];
+                        preprocess(&f.desc, access.bytes(), &p, &mut values)?;
+                        values
+                    }
+                    (None, None) => return Err("pass --image or --pixels".into()),
+                })
             };
+            let images: Vec<Vec<f32>> = if pixels.is_empty() {
+                image
+                    .iter()
+                    .map(|i| read(Some(i), None))
+                    .collect::<Result<_, _>>()?
+            } else {
+                pixels
+                    .iter()
+                    .map(|p| read(None, Some(p)))
+                    .collect::<Result<_, _>>()?
+            };
+            let batch = images.len();
             let t = std::time::Instant::now();
-            let (result, shape) = match backend {
+            let (result, mut shape) = match backend {
                 BackendArg::Cpu => {
                     let cpu = match mx_weights {
                         Some(format) => cpu.with_mx_weights(format)?,
                         None => cpu,
                     };
-                    let v = cpu.vision(&values)?;
                     let c = cpu.config();
-                    match stage {
-                        StageArg::Vision => {
-                            (v, vec![c.patches_per_side().pow(2) as u64, c.hidden as u64])
-                        }
-                        StageArg::Connector => (
-                            cpu.connect(&v),
-                            vec![c.image_tokens() as u64, c.text_hidden as u64],
-                        ),
+                    let mut result = Vec::new();
+                    for values in &images {
+                        let v = cpu.vision(values)?;
+                        result.extend(match stage {
+                            StageArg::Vision => v,
+                            StageArg::Connector => cpu.connect(&v),
+                        });
                     }
+                    let shape = match stage {
+                        StageArg::Vision => {
+                            vec![c.patches_per_side().pow(2) as u64, c.hidden as u64]
+                        }
+                        StageArg::Connector => vec![c.image_tokens() as u64, c.text_hidden as u64],
+                    };
+                    (result, shape)
                 }
-                BackendArg::Gpu => encode_on_gpu(&cpu, &values, stage, mx_weights)?,
+                BackendArg::Gpu => {
+                    let all: Vec<f32> = images.concat();
+                    encode_on_gpu(&cpu, &all, batch, stage, mx_weights)?
+                }
             };
+            if batch > 1 {
+                shape.insert(0, batch as u64);
+            }
             let elapsed = t.elapsed();
             let file = std::fs::File::create(&out)
                 .map_err(|e| format!("creating {}: {e}", out.display()))?;
@@ -1298,12 +1327,14 @@ fn parse_mx_format(name: &str) -> Result<mx_quant::ElemFormat, String> {
     })
 }
 
-/// Runs the WGSL encoder on the first Vulkan adapter; the image goes up in a unified buffer
-/// imported as-is and the result is read where the GPU wrote it.
+/// Runs the WGSL encoder on the first Vulkan adapter over `batch` images (one after another
+/// in `values`) in one submission; the images go up in a unified buffer imported as-is and the
+/// result is read where the GPU wrote it. The shape returned is one image's.
 #[cfg(feature = "vision")]
 fn encode_on_gpu(
     cpu: &pipeline::vision::VisionEncoder,
     values: &[f32],
+    batch: usize,
     stage: StageArg,
     mx_weights: Option<mx_quant::ElemFormat>,
 ) -> Result<(Vec<f32>, Vec<u64>), Box<dyn std::error::Error>> {
@@ -1316,7 +1347,7 @@ fn encode_on_gpu(
         mx_weights,
         ..context.vision_options
     };
-    let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_options(device, cpu, options)?;
+    let gpu = pipeline::vision_gpu::GpuVisionEncoder::with_batch(device, cpu, options, batch)?;
     // Memory this device imports in place.
     let allocator = uvm_alloc::Allocator::new(uvm_alloc::AllocatorDesc {
         backends: caps.importable_backends(),
@@ -1337,7 +1368,7 @@ fn encode_on_gpu(
     let mut encoder = device.create_command_encoder(&Default::default());
     gpu.record(device, &mut encoder, &input_gpu.buffer, &output_gpu.buffer)?;
     let c = gpu.config().clone();
-    let vision_elems = c.patches_per_side().pow(2) * c.hidden;
+    let vision_elems = batch * c.patches_per_side().pow(2) * c.hidden;
     // The vision stage's output stays in device memory; copying it out is the one transfer this
     // debugging path makes, and it is counted.
     let staging = device.create_buffer(&wgpu::BufferDescriptor {

@@ -479,6 +479,35 @@ fn the_encode_command_writes_the_connector_output_as_npy() {
         let rel = rel_diff(&gpu_mx, &cpu_mx);
         assert!(rel < 1e-4, "GPU and CPU with FP8 weights differ by {rel}");
     }
+    // Two images in one GPU submission: a leading batch axis, each image the CPU's output.
+    if vulkan_adapter().is_some() {
+        let out = dir.join("batch.npy");
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(["encode", "--vlm"])
+            .arg(fixture("hf"))
+            .arg("--pixels")
+            .args([&pixels, &pixels])
+            .args(["--backend", "gpu", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let bytes = std::fs::read(&out).unwrap();
+        let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
+        assert_eq!(npy.shape(), &[2, 16, 64]);
+        let both: Vec<f32> = npy.into_vec().unwrap();
+        for (k, image) in both.chunks(16 * 64).enumerate() {
+            let rel = rel_diff(image, &got);
+            assert!(
+                rel < 1e-4,
+                "image {k} of the batch differs from the CPU's by {rel}"
+            );
+        }
+    }
     let (bad_format, _) = encode_mx("cpu", "fp3");
     assert!(!bad_format.status.success());
     assert!(String::from_utf8_lossy(&bad_format.stderr).contains("unknown MX format fp3"));
