@@ -561,7 +561,7 @@ impl GpuVisionEncoder {
         let n = side * side;
         let pp = 3 * c.patch_size * c.patch_size;
         let check = |what: &'static str, elems: usize| {
-            let bytes = elems as u64 * 4 * batch as u64;
+            let bytes = (elems as u64 * 4).saturating_mul(batch as u64);
             if bytes > limit {
                 Err(GpuVisionError::TooLarge { what, bytes, limit })
             } else {
@@ -692,7 +692,8 @@ impl GpuVisionEncoder {
             // SAFETY: `create_shader_module_trusted` drops the runtime bounds checks (and loop
             // bounding) naga would add; an out-of-bounds access would then be undefined
             // behaviour on the device. Every dispatch of this module is built below from the
-            // tower's validated sizes, for buffers allocated from the same sizes, and each
+            // tower's validated sizes, for buffers allocated from the same sizes (times the
+            // batch; a per-image dispatch is bound to exactly its image's share), and each
             // meets its kernel's stated contract (vit_coop.wgsl): `gemm_coop` clamps its tile
             // loads to rows < m and n and columns < k, and runs only when coop_fits holds
             // (n a multiple of 8, k of 4; with MX weights, codes for n x k elements plus the
