@@ -694,13 +694,6 @@ struct QuantizeArgs {
     /// the error feedback inside the block included; rounding to nearest takes mse).
     #[arg(long, default_value = "mse")]
     scale: String,
-    /// Calibrate on this model's activations instead of --model's: the file a first `pipeline
-    /// quantize` of --model wrote, run under the policy recorded in it. A second pass then
-    /// rounds each layer against the inputs that the quantized layers before it produce
-    /// (GPTQ's sequential statistics, from one forward pass of the first pass's model). It
-    /// must have --model's shapes and tokenizer.
-    #[arg(long)]
-    calib_model: Option<PathBuf>,
     /// Save the calibration statistics here, or load them if this file holds the ones of
     /// the same model, text and settings, so a second quantization skips calibrating.
     #[arg(long)]
@@ -760,11 +753,10 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 quantize::check_not_evaluation_text(path)?;
             }
             let files: Vec<String> = a.calib.iter().map(|p| p.display().to_string()).collect();
-            let calib_model = a.calib_model.as_ref().unwrap_or(&a.model);
             let key = format!(
                 "model {} ({} bytes); text {}; at most {} tokens in batches of {}",
-                std::fs::canonicalize(calib_model)?.display(),
-                std::fs::metadata(calib_model)?.len(),
+                std::fs::canonicalize(&a.model)?.display(),
+                std::fs::metadata(&a.model)?.len(),
                 files.join(", "),
                 a.calib_tokens,
                 a.calib_ctx
@@ -794,10 +786,7 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                 }
                 None => {
                     let (mut decoder, tokenizer) =
-                        quantize::calibration_decoder(calib_model, a.calib_ctx, a.threads)?;
-                    if let Some(m) = &a.calib_model {
-                        eprintln!("calibrating on the activations of {}", m.display());
-                    }
+                        quantize::calibration_decoder(&a.model, a.calib_ctx, a.threads)?;
                     let tokenizer = tokenizer.ok_or("calibration needs the model's tokenizer")?;
                     let batches = quantize::calibration_batches(
                         &a.calib,
@@ -831,16 +820,13 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
                     cal
                 }
             };
-            let mut described = format!(
+            let described = format!(
                 "{} tokens in {} batches of up to {} from {}",
                 cal.tokens,
                 cal.batches,
                 a.calib_ctx,
                 files.join(", ")
             );
-            if let Some(m) = &a.calib_model {
-                described.push_str(&format!(", run through {}", m.display()));
-            }
             (Some(cal), described)
         }
     };

@@ -6,9 +6,7 @@
 //!    over calibration text in batches ([`calibration_batches`]), and each linear
 //!    layer's input second moment `H = X^T X` is summed (one per distinct input: Q, K and V
 //!    share one, as do gate and up). Evaluation texts must never be calibration text;
-//!    [`check_not_evaluation_text`] refuses the one this project evaluates on. A second pass
-//!    may calibrate on the model a first pass wrote ([`calibration_decoder`] runs it under its
-//!    recorded policy), so each layer's statistics are those of the quantized layers' outputs.
+//!    [`check_not_evaluation_text`] refuses the one this project evaluates on.
 //! 2. **Rounding** ([`quantize`]): every matrix the policy stores as MX is converted, by
 //!    round-to-nearest or by GPTQ against its layer's `H` (`mx_quant::gptq`), optionally after
 //!    32-point block rotations of the weights (`mx_quant::hadamard`; the kernels rotate the
@@ -568,10 +566,8 @@ fn quantize_rows(
     })
 }
 
-/// Opens `model` (GGUF) on the CPU NPU for calibration, in batches of `ctx` tokens: a source
-/// model at full precision (`exact-f32`: the file's values in f32, f32 activations), a file
-/// `pipeline quantize` wrote under the policy recorded in it (the model as it will run, for a
-/// second pass whose statistics come from the quantized layers).
+/// Opens `model` (GGUF) at full precision on the CPU NPU for calibration: `exact-f32` (the
+/// file's values in f32, f32 activations), batches of `ctx` tokens.
 ///
 /// # Errors
 /// As [`crate::llm::open_decoder`].
@@ -580,9 +576,8 @@ pub fn calibration_decoder(
     ctx: usize,
     threads: usize,
 ) -> Result<(Decoder, Option<crate::model::tokenizer::Tokenizer>), DecodeError> {
-    let policy = crate::llm::recorded_policy(model)?.unwrap_or_else(|| "exact-f32".into());
     let options = DecoderOptions {
-        policy: WeightPolicy::parse(&policy)?,
+        policy: WeightPolicy::parse("exact-f32")?,
         ctx,
         max_batch: ctx,
         max_logit_rows: 1,
