@@ -207,6 +207,66 @@ mod mx {
         group.finish();
     }
 
+    /// `pipeline quantize`'s calibration sums `X^T X` per linear input
+    /// (`mx_quant::gptq::accumulate_hessian_threads`), most of a calibration batch's time. At
+    /// SmolLM2-135M's two input widths, a 512-token batch on 2 threads, against the peer it
+    /// replaced in the same run: each element a dot product over 8 transposed tokens with a
+    /// horizontal sum. Throughput is multiply-adds of the lower triangle.
+    pub(crate) fn hessian(c: &mut Criterion) {
+        let mut group = c.benchmark_group("gptq_hessian");
+        group
+            .sample_size(10)
+            .measurement_time(Duration::from_secs(2))
+            .warm_up_time(Duration::from_millis(300));
+        let tokens = 512;
+        for n in [576usize, 1536] {
+            let x = data(n * tokens);
+            group.throughput(Throughput::Elements((n * (n + 1) / 2 * tokens) as u64));
+            group.bench_function(BenchmarkId::new("rows", n), |b| {
+                let mut h = vec![0f64; n * n];
+                b.iter(|| mx_quant::gptq::accumulate_hessian_threads(&mut h, n, black_box(&x), 2))
+            });
+            group.bench_function(BenchmarkId::new("transposed-dot (peer)", n), |b| {
+                let mut h = vec![0f64; n * n];
+                b.iter(|| transposed_dot_hessian(&mut h, n, black_box(&x)))
+            });
+        }
+        group.finish();
+    }
+
+    /// The Hessian sum before 2026-12-02, on 2 threads, kept as `hessian`'s peer: eight tokens
+    /// transposed, each element their dot product.
+    fn transposed_dot_hessian(hessian: &mut [f64], n: usize, x: &[f32]) {
+        const T: usize = 8;
+        let mut xt = vec![0f64; n * T];
+        let half = (n as f64 / std::f64::consts::SQRT_2) as usize;
+        for chunk in x.chunks(n * T) {
+            let t = chunk.len() / n;
+            xt.fill(0.0);
+            for (k, row) in chunk.chunks_exact(n).enumerate().take(t) {
+                for (i, &v) in row.iter().enumerate() {
+                    xt[i * T + k] = f64::from(v);
+                }
+            }
+            let xt = &xt;
+            let band = |rows: std::ops::Range<usize>, h: &mut [f64]| {
+                for i in rows.clone() {
+                    let xi = &xt[i * T..i * T + T];
+                    let at = (i - rows.start) * n;
+                    for (j, h) in h[at..at + i + 1].iter_mut().enumerate() {
+                        let xj = &xt[j * T..j * T + T];
+                        *h += (0..T).map(|k| xi[k] * xj[k]).sum::<f64>();
+                    }
+                }
+            };
+            let (low, high) = hessian.split_at_mut(half * n);
+            std::thread::scope(|scope| {
+                scope.spawn(|| band(0..half, low));
+                band(half..n, high);
+            });
+        }
+    }
+
     pub(crate) fn gemv(c: &mut Criterion) {
         let mut group = c.benchmark_group("mx_gemv");
         group
@@ -1077,6 +1137,7 @@ criterion_group!(
     mx::quantize,
     mx::gemv,
     mx::rotation,
+    mx::hessian,
     sync::handoff,
     uvm::bench,
     kv::bench,

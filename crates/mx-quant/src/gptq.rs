@@ -105,9 +105,8 @@ pub fn accumulate_hessian_threads(
             got: x.len(),
         });
     }
-    // Eight tokens at a time, transposed, so each Hessian row is loaded once per eight.
-    const T: usize = 8;
-    let mut xt = vec![0f64; n * T];
+    let t_max = HESSIAN_TOKENS;
+    let mut x64 = vec![0f64; t_max * n];
     // Band edges: row i costs i + 1, so cut where the running cost reaches each share.
     let threads = threads.clamp(1, n);
     let total = n * (n + 1) / 2;
@@ -121,35 +120,16 @@ pub fn accumulate_hessian_threads(
     }
     edges.push(n);
     edges.dedup();
-    for chunk in x.chunks(n * T) {
+    for chunk in x.chunks(n * t_max) {
         let t = chunk.len() / n;
-        for (k, row) in chunk.chunks_exact(n).enumerate() {
-            for (i, &v) in row.iter().enumerate() {
-                xt[i * T + k] = f64::from(v);
-            }
+        for (dst, &v) in x64.iter_mut().zip(chunk) {
+            *dst = f64::from(v);
         }
-        for k in t..T {
-            for i in 0..n {
-                xt[i * T + k] = 0.0;
-            }
-        }
-        let xt = &xt;
-        let band = |rows: std::ops::Range<usize>, h: &mut [f64]| {
-            for i in rows.clone() {
-                let xi: [f64; T] = xt[i * T..i * T + T].try_into().expect("T values");
-                let at = (i - rows.start) * n;
-                for (j, h) in h[at..at + i + 1].iter_mut().enumerate() {
-                    let xj = &xt[j * T..j * T + T];
-                    let mut s = 0.0;
-                    for k in 0..T {
-                        s += xi[k] * xj[k];
-                    }
-                    *h += s;
-                }
-            }
-        };
+        // A short last chunk is padded with zero tokens.
+        x64[t * n..].fill(0.0);
+        let x64 = &x64;
         if edges.len() <= 2 {
-            band(0..n, hessian);
+            hessian_band(x64, n, 0..n, hessian);
             continue;
         }
         std::thread::scope(|scope| {
@@ -158,11 +138,48 @@ pub fn accumulate_hessian_threads(
                 let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * n);
                 rest = tail;
                 let rows = w[0]..w[1];
-                scope.spawn(move || band(rows, mine));
+                scope.spawn(move || hessian_band(x64, n, rows, mine));
             }
         });
     }
     Ok(())
+}
+
+/// Tokens [`accumulate_hessian_threads`] adds per pass over the Hessian.
+const HESSIAN_TOKENS: usize = 8;
+
+/// Adds `x64`'s [`HESSIAN_TOKENS`] tokens (row-major `HESSIAN_TOKENS x n` f64) to Hessian rows
+/// `rows`, whose lower-triangle parts `h` holds (row `i` at `(i - rows.start) * n`). Eight
+/// columns at a time, the tokens' products of an element added in order in registers (no
+/// horizontal sums). Neither wider vectors (the same code compiled for AVX2 or AVX-512) nor 32
+/// tokens per pass measured faster (`cargo bench -p benches -- gptq_hessian`, 2026-12-02).
+fn hessian_band(x64: &[f64], n: usize, rows: std::ops::Range<usize>, h: &mut [f64]) {
+    const T: usize = HESSIAN_TOKENS;
+    const J: usize = 8;
+    for i in rows.clone() {
+        let xi: [f64; T] = std::array::from_fn(|k| x64[k * n + i]);
+        let at = (i - rows.start) * n;
+        let row = &mut h[at..at + i + 1];
+        let whole = row.len() / J * J;
+        let (head, tail) = row.split_at_mut(whole);
+        for (c, acc) in head.chunks_exact_mut(J).enumerate() {
+            let j = c * J;
+            let mut a: [f64; J] = acc.try_into().expect("J values");
+            for (k, &xk) in xi.iter().enumerate() {
+                let xj: &[f64; J] = x64[k * n + j..k * n + j + J].try_into().expect("J values");
+                for l in 0..J {
+                    a[l] += xk * xj[l];
+                }
+            }
+            acc.copy_from_slice(&a);
+        }
+        for (l, h) in tail.iter_mut().enumerate() {
+            let j = whole + l;
+            for (k, &xk) in xi.iter().enumerate() {
+                *h += xk * x64[k * n + j];
+            }
+        }
+    }
 }
 
 /// Copies the lower triangle of an `n x n` matrix onto its upper triangle.

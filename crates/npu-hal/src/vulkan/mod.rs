@@ -97,6 +97,7 @@ pub struct VulkanConfig {
     /// GPU (SmolLM2's 576-row projections make 72 tiles of 64 x 64 at 512 tokens). `None` (the
     /// default, unless `NPU_HAL_GEMM_SPLIT_BELOW` is set): 0, never. On lavapipe the split
     /// tile was slower (README, "Decoder on the GPU"); on a discrete GPU it is not measured yet.
+    /// Ignored on a device whose workgroup memory cannot hold the split tile (33 KB).
     pub gemm_split_below: Option<u32>,
 }
 
@@ -544,7 +545,12 @@ impl VulkanNpu {
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
             tiled_attention: config.tiled_attention.unwrap_or(!ctx.adapter.is_cpu()),
-            gemm_split_below: config.gemm_split_below.unwrap_or(0),
+            // The split tile is only asked for where its workgroup memory fits.
+            gemm_split_below: if ctx.max_shared_bytes >= shaders::SPLIT_GEMM_SHARED_BYTES {
+                config.gemm_split_below.unwrap_or(0)
+            } else {
+                0
+            },
             gemv_lanes: config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
                 CPU_GEMV_LANES
             } else {

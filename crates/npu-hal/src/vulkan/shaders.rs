@@ -181,6 +181,11 @@ pub(crate) enum Kernel {
     },
 }
 
+/// Workgroup memory of the split-K [`Kernel::Gemm`] tile (`shaders/linear_gemm.wgsl` with
+/// BM = BN = 32, KS = 4): its weight and input tiles (4 x 32 x 8 vec4 each), the RMSNorm's
+/// partial sums (256 f32) and inverse norms (32 f32).
+pub(crate) const SPLIT_GEMM_SHARED_BYTES: u32 = 2 * 4 * 32 * 8 * 16 + 256 * 4 + 32 * 4;
+
 /// Batch rows per workgroup of [`Kernel::AttentionTiled`] (its BQ).
 pub(crate) const TILED_ATTENTION_ROWS: u32 = 32;
 
