@@ -154,30 +154,34 @@ const HESSIAN_TOKENS: usize = 8;
 /// horizontal sums). Neither wider vectors (the same code compiled for AVX2 or AVX-512) nor 32
 /// tokens per pass measured faster (`cargo bench -p benches -- gptq_hessian`, 2026-12-02).
 fn hessian_band(x64: &[f64], n: usize, rows: std::ops::Range<usize>, h: &mut [f64]) {
-    const T: usize = HESSIAN_TOKENS;
-    const J: usize = 8;
     for i in rows.clone() {
-        let xi: [f64; T] = std::array::from_fn(|k| x64[k * n + i]);
+        let xi: [f64; HESSIAN_TOKENS] = std::array::from_fn(|k| x64[k * n + i]);
         let at = (i - rows.start) * n;
-        let row = &mut h[at..at + i + 1];
-        let whole = row.len() / J * J;
-        let (head, tail) = row.split_at_mut(whole);
-        for (c, acc) in head.chunks_exact_mut(J).enumerate() {
-            let j = c * J;
-            let mut a: [f64; J] = acc.try_into().expect("J values");
-            for (k, &xk) in xi.iter().enumerate() {
-                let xj: &[f64; J] = x64[k * n + j..k * n + j + J].try_into().expect("J values");
-                for l in 0..J {
-                    a[l] += xk * xj[l];
-                }
+        add_products(&xi, x64, n, &mut h[at..at + i + 1]);
+    }
+}
+
+/// `out[j] += sum_k xi[k] * y64[k * n + j]` for `j < out.len()`, each element's products added
+/// in token order, eight elements at a time in registers.
+fn add_products(xi: &[f64; HESSIAN_TOKENS], y64: &[f64], n: usize, out: &mut [f64]) {
+    const J: usize = 8;
+    let whole = out.len() / J * J;
+    let (head, tail) = out.split_at_mut(whole);
+    for (c, acc) in head.chunks_exact_mut(J).enumerate() {
+        let j = c * J;
+        let mut a: [f64; J] = (&*acc).try_into().expect("J values");
+        for (k, &xk) in xi.iter().enumerate() {
+            let yj: &[f64; J] = y64[k * n + j..k * n + j + J].try_into().expect("J values");
+            for l in 0..J {
+                a[l] += xk * yj[l];
             }
-            acc.copy_from_slice(&a);
         }
-        for (l, h) in tail.iter_mut().enumerate() {
-            let j = whole + l;
-            for (k, &xk) in xi.iter().enumerate() {
-                *h += xk * x64[k * n + j];
-            }
+        acc.copy_from_slice(&a);
+    }
+    for (l, o) in tail.iter_mut().enumerate() {
+        let j = whole + l;
+        for (k, &xk) in xi.iter().enumerate() {
+            *o += xk * y64[k * n + j];
         }
     }
 }
@@ -189,119 +193,6 @@ pub fn symmetrize(hessian: &mut [f64], n: usize) {
             hessian[j * n + i] = hessian[i * n + j];
         }
     }
-}
-
-/// Adds `x^T y` to `cross` (`n x n` f64, row-major, all of it): `C[i][j] += sum_t x[t][i]
-/// y[t][j]` for two activation sets of the same tokens, `x` and `y` (`tokens x n` each). With
-/// `x` a layer's full-precision inputs and `y` the quantized model's, it is the cross moment
-/// [`asymmetric_target`] needs.
-///
-/// # Errors
-/// [`Error::LengthMismatch`] when `x` and `y` differ in length, are not whole rows of `n`, or
-/// `cross` is not `n * n`.
-pub fn accumulate_cross(cross: &mut [f64], n: usize, x: &[f32], y: &[f32]) -> Result<(), Error> {
-    check_len(
-        "cross moment",
-        n.checked_mul(n).ok_or(Error::TooLarge)?,
-        cross.len(),
-    )?;
-    check_len("second activations", x.len(), y.len())?;
-    if n == 0 || !x.len().is_multiple_of(n) {
-        return Err(Error::LengthMismatch {
-            what: "activations (whole rows)",
-            expected: x.len().next_multiple_of(n.max(1)),
-            got: x.len(),
-        });
-    }
-    for (xt, yt) in x.chunks_exact(n).zip(y.chunks_exact(n)) {
-        for (i, &xi) in xt.iter().enumerate() {
-            let xi = f64::from(xi);
-            for (c, &yj) in cross[i * n..(i + 1) * n].iter_mut().zip(yt) {
-                *c += xi * f64::from(yj);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The weights whose outputs on the quantized model's inputs best match the full-precision
-/// layer's outputs (the asymmetric calibration of GPTAQ, Li et al. 2025): `W* = W C H^-1`,
-/// with `C = X^T X~` the cross moment of the full-precision inputs `X` and the quantized
-/// model's `X~` ([`accumulate_cross`]), and `H = X~^T X~` damped as [`Prepared::new`] damps it.
-/// `||X W^T - X~ Q^T||^2` is `||X~ (W* - Q)^T||^2` plus a constant, so GPTQ on `W*` against `H`
-/// minimizes it. When `X~ = X`, `W*` is `W` up to the damping.
-///
-/// `weights` is `rows x n` row-major; columns that no input reached (zero diagonal in `H`) keep
-/// their weights.
-///
-/// # Errors
-/// [`Error::LengthMismatch`] for slices of the wrong size; [`Error::BadHessian`] as for
-/// [`Prepared::new`].
-pub fn asymmetric_target(
-    weights: &[f32],
-    cross: &[f64],
-    hessian: &[f64],
-    n: usize,
-    damp: f64,
-) -> Result<Vec<f32>, Error> {
-    let nn = n.checked_mul(n).ok_or(Error::TooLarge)?;
-    check_len("hessian", nn, hessian.len())?;
-    check_len("cross moment", nn, cross.len())?;
-    if n == 0 || !weights.len().is_multiple_of(n) {
-        return Err(Error::LengthMismatch {
-            what: "weights (whole rows)",
-            expected: weights.len().next_multiple_of(n.max(1)),
-            got: weights.len(),
-        });
-    }
-    if hessian.iter().chain(cross).any(|v| !v.is_finite()) {
-        return Err(bad("it holds NaN or infinite values"));
-    }
-    if !damp.is_finite() || damp < 0.0 {
-        return Err(bad("the damping must be a finite fraction >= 0"));
-    }
-    let dead: Vec<bool> = (0..n).map(|i| hessian[i * n + i] <= 0.0).collect();
-    let live = (0..n).filter(|&i| !dead[i]);
-    let (sum, count) = live.fold((0.0, 0usize), |(s, c), i| (s + hessian[i * n + i], c + 1));
-    let damp = damp * if count == 0 { 1.0 } else { sum / count as f64 };
-    let mut a = vec![0f64; nn];
-    for i in 0..n {
-        for j in 0..n {
-            a[i * n + j] = if dead[i] || dead[j] {
-                if i == j { 1.0 } else { 0.0 }
-            } else {
-                hessian[i * n + j] + if i == j { damp } else { 0.0 }
-            };
-        }
-    }
-    cholesky_lower(&mut a, n)?;
-    // H^-1 = L^-T L^-1, so w* = (w C) L^-T L^-1, one row at a time.
-    let inv = invert_lower(&a, n);
-    let mut out = Vec::with_capacity(weights.len());
-    let (mut v, mut u) = (vec![0f64; n], vec![0f64; n]);
-    for w in weights.chunks_exact(n) {
-        // v = w C, over the live inputs (a dead input's column of C is zero anyway).
-        v.fill(0.0);
-        for (i, &wi) in w.iter().enumerate() {
-            let wi = f64::from(wi);
-            for (v, &c) in v.iter_mut().zip(&cross[i * n..(i + 1) * n]) {
-                *v += wi * c;
-            }
-        }
-        // u = v L^-T: u[k] = sum_{j <= k} L^-1[k][j] v[j].
-        for (k, u) in u.iter_mut().enumerate() {
-            *u = (0..=k).map(|j| inv[k * n + j] * v[j]).sum();
-        }
-        // w* = u L^-1: w*[j] = sum_{k >= j} u[k] L^-1[k][j].
-        for (j, &wj) in w.iter().enumerate() {
-            out.push(if dead[j] {
-                wj
-            } else {
-                (j..n).map(|k| u[k] * inv[k * n + j]).sum::<f64>() as f32
-            });
-        }
-    }
-    Ok(out)
 }
 
 /// The layer's output error `sum_rows (w - q)^T H (w - q)`: what GPTQ minimizes (with `H` the
@@ -676,67 +567,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// GPTQ on the asymmetric target (`W C H~^-1`) matches the full-precision layer's outputs,
-    /// from inputs perturbed as a quantized model's are, better than GPTQ on `W` itself; and with
-    /// unperturbed inputs the target is `W`.
-    #[test]
-    fn the_asymmetric_target_fits_the_full_precision_outputs() {
-        let (rows, cols, tokens) = (48, 128, 512);
-        let (w, x, h) = layer(rows, cols, tokens);
-        // The quantized model's inputs: the same tokens, each channel scaled a little and noise
-        // added, as the accumulated error of the layers before distorts them.
-        let mut seed = 9;
-        let gains: Vec<f32> = (0..cols).map(|_| 1.0 + 0.2 * lcg(&mut seed)).collect();
-        let xq: Vec<f32> = x
-            .iter()
-            .enumerate()
-            .map(|(i, v)| v * gains[i % cols] + 0.1 * lcg(&mut seed))
-            .collect();
-        let mut hq = vec![0f64; cols * cols];
-        accumulate_hessian(&mut hq, cols, &xq).unwrap();
-        symmetrize(&mut hq, cols);
-        let mut cross = vec![0f64; cols * cols];
-        accumulate_cross(&mut cross, cols, &x, &xq).unwrap();
-        // ||X W^T - X~ Q^T||^2 over the tokens.
-        let mismatch = |q: &[f32]| -> f64 {
-            let mut e = 0.0;
-            for (xt, yt) in x.chunks_exact(cols).zip(xq.chunks_exact(cols)) {
-                for (wr, qr) in w.chunks_exact(cols).zip(q.chunks_exact(cols)) {
-                    let full: f64 = wr.iter().zip(xt).map(|(a, b)| f64::from(a * b)).sum();
-                    let quant: f64 = qr.iter().zip(yt).map(|(a, b)| f64::from(a * b)).sum();
-                    e += (full - quant).powi(2);
-                }
-            }
-            e
-        };
-        let options = GptqOptions::default();
-        let prepared = Prepared::new(&hq, cols, options).unwrap();
-        let format = ElemFormat::Fp4E2M1;
-        let round = |target: &[f32]| {
-            let mut s = vec![0u8; rows * cols / BLOCK];
-            let mut p = vec![0u8; packed_len(format, rows * cols)];
-            prepared.quantize(format, target, &mut s, &mut p).unwrap();
-            dequantized(format, &s, &p, rows * cols)
-        };
-        let target = asymmetric_target(&w, &cross, &hq, cols, options.damp).unwrap();
-        let (symmetric, asymmetric) = (mismatch(&round(&w)), mismatch(&round(&target)));
-        eprintln!("output mismatch: asymmetric {asymmetric:.4e}, symmetric {symmetric:.4e}");
-        assert!(
-            asymmetric < 0.9 * symmetric,
-            "asymmetric {asymmetric:.4e} against symmetric {symmetric:.4e}"
-        );
-        // Unperturbed inputs: the target is the weights (the damping moves them a little).
-        let mut same = vec![0f64; cols * cols];
-        accumulate_cross(&mut same, cols, &x, &x).unwrap();
-        let back = asymmetric_target(&w, &same, &h, cols, 0.0).unwrap();
-        let worst = w
-            .iter()
-            .zip(&back)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(worst < 1e-3, "W* differs from W by {worst} when X~ = X");
-        assert!(accumulate_cross(&mut same, cols, &x, &x[..cols]).is_err());
     }
 
     #[test]
