@@ -76,6 +76,8 @@ pub enum AdapterChoice {
 pub struct VulkanConfig {
     pub adapter: AdapterChoice,
     /// How long a host wait (on a foreign timeline, or for results) may take before failing.
+    /// Default: 30 s, or `NPU_HAL_WAIT_TIMEOUT_S` seconds (the VM lab, whose emulated CPUs run
+    /// lavapipe slowly, sets 180).
     pub wait_timeout: Duration,
     /// Time every dispatch (a timestamp after each, which serialises them): what
     /// [`Device::profile`] reports. Default: on when `NPU_HAL_PROFILE` is set.
@@ -105,7 +107,12 @@ impl Default for VulkanConfig {
     fn default() -> Self {
         VulkanConfig {
             adapter: AdapterChoice::Best,
-            wait_timeout: Duration::from_secs(30),
+            wait_timeout: Duration::from_secs(
+                std::env::var("NPU_HAL_WAIT_TIMEOUT_S")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(30),
+            ),
             profile: std::env::var_os("NPU_HAL_PROFILE").is_some(),
             gemv_lanes: std::env::var("NPU_HAL_GEMV_LANES")
                 .ok()
