@@ -333,50 +333,37 @@ fn need_met(report: &Value, need: Need) -> Result<String, String> {
         ));
     }
     let items = entry.get("items").and_then(Value::as_array);
-    if need == Need::VulkanCoopMatrix {
+    // Needs met by an adapter whose `xtask devices` entry has every one of these keys true:
+    // the keys, what a match is, and what no match means.
+    let capability: Option<(&[&str], &str, &str)> = match need {
+        Need::VulkanCoopMatrix => Some((
+            &["cooperative_matrix", "shader_f16"],
+            "with cooperative matrices",
+            "offers cooperative matrices with f16 shaders",
+        )),
+        Need::VulkanTimelineExport => Some((
+            &["exports_timelines"],
+            "export timeline semaphores",
+            "exports timeline semaphores as opaque fds",
+        )),
+        Need::VulkanDmaBufImport => Some((
+            &["imports_dma_bufs"],
+            "import dma-bufs",
+            "imports dma-bufs (VK_EXT_external_memory_dma_buf)",
+        )),
+        _ => None,
+    };
+    if let Some((keys, found_what, missing_what)) = capability {
         let found = items.map_or(0, |items| {
             items
                 .iter()
-                .filter(|i| {
-                    i["cooperative_matrix"] == Value::Bool(true)
-                        && i["shader_f16"] == Value::Bool(true)
-                })
+                .filter(|i| keys.iter().all(|k| i[*k] == Value::Bool(true)))
                 .count()
         });
         return if found > 0 {
-            Ok(format!(
-                "vulkan: {found} adapter(s) with cooperative matrices"
-            ))
+            Ok(format!("vulkan: {found} adapter(s) {found_what}"))
         } else {
-            Err("vulkan: no adapter offers cooperative matrices with f16 shaders".into())
-        };
-    }
-    if need == Need::VulkanTimelineExport {
-        let found = items.map_or(0, |items| {
-            items
-                .iter()
-                .filter(|i| i["exports_timelines"] == Value::Bool(true))
-                .count()
-        });
-        return if found > 0 {
-            Ok(format!(
-                "vulkan: {found} adapter(s) export timeline semaphores"
-            ))
-        } else {
-            Err("vulkan: no adapter exports timeline semaphores as opaque fds".into())
-        };
-    }
-    if need == Need::VulkanDmaBufImport {
-        let found = items.map_or(0, |items| {
-            items
-                .iter()
-                .filter(|i| i["imports_dma_bufs"] == Value::Bool(true))
-                .count()
-        });
-        return if found > 0 {
-            Ok(format!("vulkan: {found} adapter(s) import dma-bufs"))
-        } else {
-            Err("vulkan: no adapter imports dma-bufs (VK_EXT_external_memory_dma_buf)".into())
+            Err(format!("vulkan: no adapter {missing_what}"))
         };
     }
     if need == Need::Vgem {

@@ -789,24 +789,30 @@ mod tests {
             .expect("a streaming camera with a format the ISP reads")
     }
 
-    /// Streams `count` frames, checking each one's buffer, timeline value and sequence.
+    /// Checks a delivered frame: a dma-buf, the source's timeline at its value, its sequence
+    /// past `last` (then updated), and a real picture in it.
+    fn check_delivered(src: &V4l2Source, f: &crate::source::Frame, last: &mut Option<u64>) {
+        assert!(f.buffer.is_dma_buf());
+        assert_eq!(src.timeline().value().unwrap(), f.ready);
+        if let Some(prev) = *last {
+            assert!(f.sequence > prev);
+        }
+        *last = Some(f.sequence);
+        let g = f
+            .buffer
+            .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)
+            .unwrap();
+        assert_eq!(g.bytes().len(), f.desc.byte_len());
+        // A real driver writes a picture, not the zeroes a fresh buffer holds.
+        assert!(g.bytes().iter().any(|&b| b != 0), "an all-zero frame");
+    }
+
+    /// Streams `count` frames, checking each one ([`check_delivered`]).
     fn stream(src: &mut V4l2Source, count: usize) {
         let mut last = None;
         for _ in 0..count {
             let f = src.next_frame().unwrap().unwrap();
-            assert!(f.buffer.is_dma_buf());
-            assert_eq!(src.timeline().value().unwrap(), f.ready);
-            if let Some(prev) = last {
-                assert!(f.sequence > prev);
-            }
-            last = Some(f.sequence);
-            let g = f
-                .buffer
-                .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)
-                .unwrap();
-            assert_eq!(g.bytes().len(), f.desc.byte_len());
-            // A real driver writes a picture, not the zeroes a fresh buffer holds.
-            assert!(g.bytes().iter().any(|&b| b != 0), "an all-zero frame");
+            check_delivered(src, &f, &mut last);
         }
     }
 
@@ -882,17 +888,8 @@ mod tests {
                 "the delivered frame is in the announced buffer"
             );
             assert_eq!(f.ready, announced.ready);
-            assert_eq!(src.timeline().value().unwrap(), f.ready);
             assert_eq!(mirror.value().unwrap(), f.ready);
-            if let Some(prev) = last {
-                assert!(f.sequence > prev);
-            }
-            last = Some(f.sequence);
-            let g = f
-                .buffer
-                .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)
-                .unwrap();
-            assert!(g.bytes().iter().any(|&b| b != 0), "an all-zero frame");
+            check_delivered(&src, &f, &mut last);
         }
         assert_eq!(refills.bytes(), before, "vivid flags no frame damaged");
     }

@@ -105,8 +105,7 @@ pub fn accumulate_hessian_threads(
             got: x.len(),
         });
     }
-    let t_max = HESSIAN_TOKENS;
-    let mut x64 = vec![0f64; t_max * n];
+    let mut x64 = vec![0f64; HESSIAN_TOKENS * n];
     // Band edges: row i costs i + 1, so cut where the running cost reaches each share.
     let threads = threads.clamp(1, n);
     let total = n * (n + 1) / 2;
@@ -120,7 +119,7 @@ pub fn accumulate_hessian_threads(
     }
     edges.push(n);
     edges.dedup();
-    for chunk in x.chunks(n * t_max) {
+    for chunk in x.chunks(n * HESSIAN_TOKENS) {
         let t = chunk.len() / n;
         for (dst, &v) in x64.iter_mut().zip(chunk) {
             *dst = f64::from(v);

@@ -299,6 +299,30 @@ fn run(
     out
 }
 
+/// Submits `ops` over a batch of `tokens` at position 0 with no KV cache, no attention
+/// statistics and no timeline wait or signal: one stateless program.
+fn submit_without_cache(
+    device: &mut dyn Device,
+    ops: &[Op],
+    tokens: &[u32],
+) -> Result<(), npu_hal::Error> {
+    device.submit(Submission {
+        ops,
+        batch: Batch {
+            tokens,
+            first_pos: 0,
+            seq: 0,
+            slots: &[],
+            select: 0..0,
+            embeddings: None,
+        },
+        kv: None,
+        attention: None,
+        wait: None,
+        signal: None,
+    })
+}
+
 /// The GPU backend with the tiled prefill attention and the split-K GEMM tile, neither of
 /// which lavapipe takes by default.
 fn gpu() -> Option<VulkanNpu> {
@@ -472,23 +496,7 @@ fn a_long_batch_linear_matches_the_cpu() {
                 out: y,
                 rows: Rows::All,
             });
-            device
-                .submit(Submission {
-                    ops: &ops,
-                    batch: Batch {
-                        tokens: &tokens,
-                        first_pos: 0,
-                        seq: 0,
-                        slots: &[],
-                        select: 0..0,
-                        embeddings: None,
-                    },
-                    kv: None,
-                    attention: None,
-                    wait: None,
-                    signal: None,
-                })
-                .expect("submit");
+            submit_without_cache(device, &ops, &tokens).expect("submit");
             let mut out = vec![0f32; tokens.len() * rows];
             device
                 .read_tensor(y, 0..tokens.len(), &mut out)
@@ -567,22 +575,7 @@ fn the_gpu_rotates_activations_with_the_cpus_bits() {
         let input: Vec<f32> = (0..tokens * n).map(|_| rng.next() * 3.0).collect();
         gpu.write_tensor(x, 0..tokens, &input).unwrap();
         let ids = vec![0u32; tokens];
-        gpu.submit(Submission {
-            ops: &program,
-            batch: Batch {
-                tokens: &ids,
-                first_pos: 0,
-                seq: 0,
-                slots: &[],
-                select: 0..0,
-                embeddings: None,
-            },
-            kv: None,
-            attention: None,
-            wait: None,
-            signal: None,
-        })
-        .unwrap();
+        submit_without_cache(&mut gpu, &program, &ids).unwrap();
         let mut got = vec![0f32; tokens * n];
         gpu.read_tensor(y, 0..tokens, &mut got).unwrap();
         let mut want = input.clone();
@@ -635,24 +628,7 @@ fn unsupported_programs_are_refused_by_name() {
         eps: 1e-5,
         out: x,
     }];
-    let batch = Batch {
-        tokens: &[0],
-        first_pos: 0,
-        seq: 0,
-        slots: &[],
-        select: 0..0,
-        embeddings: None,
-    };
-    let err = gpu
-        .submit(Submission {
-            ops: &in_place,
-            batch: batch.clone(),
-            kv: None,
-            attention: None,
-            wait: None,
-            signal: None,
-        })
-        .unwrap_err();
+    let err = submit_without_cache(&mut gpu, &in_place, &[0]).unwrap_err();
     assert!(matches!(err, npu_hal::Error::Unsupported { .. }), "{err}");
     assert!(err.to_string().contains("RMSNorm in place"), "{err}");
     let y = gpu.create_tensor(HIDDEN, 4).unwrap();
@@ -663,15 +639,7 @@ fn unsupported_programs_are_refused_by_name() {
         out: y,
     }];
     gpu.write_tensor(x, 0..1, &[2.0; HIDDEN]).unwrap();
-    gpu.submit(Submission {
-        ops: &ok,
-        batch,
-        kv: None,
-        attention: None,
-        wait: None,
-        signal: None,
-    })
-    .unwrap();
+    submit_without_cache(&mut gpu, &ok, &[0]).unwrap();
     let mut out = vec![0f32; HIDDEN];
     gpu.read_tensor(y, 0..1, &mut out).unwrap();
     assert!(out.iter().all(|&v| (v - 1.0).abs() < 1e-5), "{out:?}");

@@ -1174,45 +1174,38 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         } => {
             let cpu = pipeline::vision::VisionEncoder::open_path(&vlm)?;
             let s = cpu.config().image_size;
-            let read = |image: Option<&PathBuf>,
-                        pixels: Option<&PathBuf>|
-             -> Result<Vec<f32>, Box<dyn std::error::Error>> {
-                Ok(match (image, pixels) {
-                    (_, Some(path)) => pipeline::vision::read_pixels_npy(path, s)?,
-                    (Some(path), None) => {
-                        let options = SourceOptions {
-                            pacing: Pacing::AsFastAsPossible,
-                            ..SourceOptions::default()
-                        };
-                        let mut src = open_source(&format!("file:{}", path.display()), &options)?;
-                        let f = src.next_frame()?.ok_or("the image has no frame")?;
-                        let access = f
-                            .buffer
-                            .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)?;
-                        // SigLIP's normalisation: mean 0.5, std 0.5 (values in -1..1), CHW.
-                        let p = Preprocess {
-                            width: s,
-                            height: s,
-                            ..Default::default()
-                        };
-                        let mut values = vec![0f32; 3 * s * s];
-                        preprocess(&f.desc, access.bytes(), &p, &mut values)?;
-                        values
-                    }
-                    (None, None) => return Err("pass --image or --pixels".into()),
-                })
+            // An image file, resized and normalised by the ISP.
+            let read_image = |path: &PathBuf| -> Result<Vec<f32>, Box<dyn std::error::Error>> {
+                let options = SourceOptions {
+                    pacing: Pacing::AsFastAsPossible,
+                    ..SourceOptions::default()
+                };
+                let mut src = open_source(&format!("file:{}", path.display()), &options)?;
+                let f = src.next_frame()?.ok_or("the image has no frame")?;
+                let access = f
+                    .buffer
+                    .cpu_access(0..f.desc.byte_len(), uvm_alloc::Access::Read)?;
+                // SigLIP's normalisation: mean 0.5, std 0.5 (values in -1..1), CHW.
+                let p = Preprocess {
+                    width: s,
+                    height: s,
+                    ..Default::default()
+                };
+                let mut values = vec![0f32; 3 * s * s];
+                preprocess(&f.desc, access.bytes(), &p, &mut values)?;
+                Ok(values)
             };
             let images: Vec<Vec<f32>> = if pixels.is_empty() {
-                image
-                    .iter()
-                    .map(|i| read(Some(i), None))
-                    .collect::<Result<_, _>>()?
+                image.iter().map(read_image).collect::<Result<_, _>>()?
             } else {
                 pixels
                     .iter()
-                    .map(|p| read(None, Some(p)))
+                    .map(|p| pipeline::vision::read_pixels_npy(p, s))
                     .collect::<Result<_, _>>()?
             };
+            if images.is_empty() {
+                return Err("pass --image or --pixels".into());
+            }
             let batch = images.len();
             let t = std::time::Instant::now();
             let (result, mut shape) = match backend {

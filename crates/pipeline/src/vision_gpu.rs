@@ -448,25 +448,15 @@ fn bind_buffers(
     pipeline: &wgpu::ComputePipeline,
     buffers: &[&wgpu::Buffer],
 ) -> wgpu::BindGroup {
-    let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
-        .iter()
-        .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry {
-            binding: i as u32,
-            resource: b.as_entire_binding(),
-        })
-        .collect();
-    device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: None,
-        layout: &pipeline.get_bind_group_layout(0),
-        entries: &entries,
-    })
+    let slices: Vec<Slice<'_>> = buffers.iter().map(|b| whole(b)).collect();
+    bind_slices(device, pipeline, &slices)
 }
 
 /// One image's share of a batch buffer: `(buffer, image, bytes per image)`.
 type Slice<'a> = (&'a wgpu::Buffer, usize, u64);
 
-/// [`bind_buffers`] with every buffer bound to one image's bytes of it.
+/// A bind group of `pipeline`'s group 0 with each slice (a buffer's image share, or all of
+/// it) at bindings 0, 1, 2, ...
 fn bind_slices(
     device: &wgpu::Device,
     pipeline: &wgpu::ComputePipeline,

@@ -547,6 +547,15 @@ fn replies_follow_the_regex_given_to_pipeline_run() {
     }
 }
 
+/// The first camera that streams in a format the ISP reads (hardware tests only).
+fn streaming_camera() -> isp_v4l2::v4l2::CameraInfo {
+    isp_v4l2::v4l2::list_cameras()
+        .into_iter()
+        .filter_map(Result::ok)
+        .find(|c| c.can_stream && c.formats.iter().any(|f| f.isp_format.is_some()))
+        .expect("a streaming camera with a format the ISP reads")
+}
+
 /// The chain on a real camera: live capture into exported dma-bufs, every frame sampled
 /// (`every 1`, so the decoder falls behind and the live chain must drop, never fail), latest
 /// frame wins, and no byte copied on the way to the decoder. Twice: with the default capture
@@ -559,11 +568,7 @@ fn replies_follow_the_regex_given_to_pipeline_run() {
 #[test]
 #[ignore = "hardware: needs a V4L2 capture device (/dev/video*) offering NV12, YUYV, YU12 or RGB3"]
 fn the_chain_describes_camera_frames() {
-    let camera = isp_v4l2::v4l2::list_cameras()
-        .into_iter()
-        .filter_map(Result::ok)
-        .find(|c| c.can_stream && c.formats.iter().any(|f| f.isp_format.is_some()))
-        .expect("a streaming camera with a format the ISP reads");
+    let camera = streaming_camera();
     let dir = tiny_vlm();
     let frames = 40;
     let render_node = sync_timeline::drm::RenderNode::discover().is_ok();
@@ -587,14 +592,7 @@ fn the_chain_describes_camera_frames() {
         };
         let built = build(&spec, false).unwrap();
         assert!(built.options.live, "a camera is a live source");
-        let report = pipeline::chain::run(
-            built.chain,
-            &built.options,
-            Arc::new(AtomicBool::new(false)),
-            |_| {},
-        )
-        .unwrap();
-        assert!(report.failure.is_none(), "{:?}", report.failure);
+        let (report, _) = run_collecting_replies(built);
         assert_eq!(report.frames_in, frames);
         assert_eq!(report.frames_skipped, 0, "every 1 samples every frame");
         assert!(report.frames_decoded >= 1);
@@ -638,11 +636,7 @@ fn the_chain_describes_camera_frames() {
 #[test]
 #[ignore = "hardware: needs a V4L2 capture device (/dev/video*) and a Vulkan adapter importing dma-bufs"]
 fn camera_frames_are_submitted_ahead_to_the_gpu_isp() {
-    let camera = isp_v4l2::v4l2::list_cameras()
-        .into_iter()
-        .filter_map(Result::ok)
-        .find(|c| c.can_stream && c.formats.iter().any(|f| f.isp_format.is_some()))
-        .expect("a streaming camera with a format the ISP reads");
+    let camera = streaming_camera();
     let dir = tiny_vlm();
     let frames = 12;
     let spec = ChainSpec {
@@ -657,15 +651,7 @@ fn camera_frames_are_submitted_ahead_to_the_gpu_isp() {
         policy: Some("exact-f32".into()),
         ..ChainSpec::default()
     };
-    let built = build(&spec, true).unwrap();
-    let report = pipeline::chain::run(
-        built.chain,
-        &built.options,
-        Arc::new(AtomicBool::new(false)),
-        |_| {},
-    )
-    .unwrap();
-    assert!(report.failure.is_none(), "{:?}", report.failure);
+    let (report, _) = run_collecting_replies(build(&spec, true).unwrap());
     assert_eq!(report.frames_in, frames);
     assert!(report.frames_decoded >= 1);
     assert!(

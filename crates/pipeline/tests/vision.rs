@@ -244,21 +244,7 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
         let images: Vec<Vec<f32>> = (0..3)
             .map(|k| pixels.iter().map(|v| v * (1.0 - 0.25 * k as f32)).collect())
             .collect();
-        let one = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-        let batched = GpuVisionEncoder::with_batch(&gpu_device.0, &cpu, options, 3).unwrap();
-        let all: Vec<f32> = images.iter().flatten().copied().collect();
-        let got = encode_on_gpu(&gpu_device, &batched, &all);
-        let per_image = got.len() / 3;
-        for (k, image) in images.iter().enumerate() {
-            let alone = encode_on_gpu(&gpu_device, &one, image);
-            let share = &got[k * per_image..(k + 1) * per_image];
-            assert!(
-                share == alone.as_slice(),
-                "coop encoder ({image_size}px): image {k} of a batch of 3 differs from its \
-                 encode alone by {}",
-                rel_diff(share, &alone)
-            );
-        }
+        encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
         // MX weights decoded as the GEMM stages its weight tiles, against the CPU with the
         // same rounded weights.
         for format in [mx_quant::ElemFormat::Fp8E4M3, mx_quant::ElemFormat::Fp4E2M1] {
@@ -648,6 +634,35 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
     }
 }
 
+/// Encodes `images` as one batch (`GpuVisionEncoder::with_batch`) and asserts that each
+/// image's output is, bit for bit, its encode alone; the outputs, image by image.
+fn encode_batch_as_each_alone(
+    gpu_device: &(wgpu::Device, wgpu::Queue, uvm_alloc::vulkan::ImportCaps),
+    cpu: &VisionEncoder,
+    options: pipeline::vision_gpu::GpuVisionOptions,
+    images: &[Vec<f32>],
+) -> Vec<Vec<f32>> {
+    use pipeline::vision_gpu::GpuVisionEncoder;
+    let n = images.len();
+    let one = GpuVisionEncoder::with_options(&gpu_device.0, cpu, options).unwrap();
+    let batched = GpuVisionEncoder::with_batch(&gpu_device.0, cpu, options, n).unwrap();
+    assert_eq!(batched.input_bytes(), n as u64 * one.input_bytes());
+    assert_eq!(batched.output_bytes(), n as u64 * one.output_bytes());
+    let all: Vec<f32> = images.concat();
+    let got = encode_on_gpu(gpu_device, &batched, &all);
+    let outputs: Vec<Vec<f32>> = got.chunks(got.len() / n).map(<[f32]>::to_vec).collect();
+    for (k, (share, image)) in outputs.iter().zip(images).enumerate() {
+        let alone = encode_on_gpu(gpu_device, &one, image);
+        assert!(
+            *share == alone,
+            "{:?}: image {k} of a batch of {n} differs from its encode alone by {}",
+            batched.options(),
+            rel_diff(share, &alone)
+        );
+    }
+    outputs
+}
+
 /// A batch of images in one submission (`GpuVisionEncoder::with_batch`): each image's output is
 /// the one it gets encoded alone, bit for bit, and within the CPU reference's tolerance.
 #[test]
@@ -675,21 +690,8 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
             coop_block_rows: 0,
             mx_weights: None,
         };
-        let one = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-        let batched = GpuVisionEncoder::with_batch(&gpu_device.0, &cpu, options, 3).unwrap();
-        assert_eq!(batched.input_bytes(), 3 * one.input_bytes());
-        assert_eq!(batched.output_bytes(), 3 * one.output_bytes());
-        let all: Vec<f32> = images.iter().flatten().copied().collect();
-        let got = encode_on_gpu(&gpu_device, &batched, &all);
-        let per_image = got.len() / 3;
-        for (k, image) in images.iter().enumerate() {
-            let alone = encode_on_gpu(&gpu_device, &one, image);
-            let share = &got[k * per_image..(k + 1) * per_image];
-            assert!(
-                share == alone.as_slice(),
-                "{options:?}: image {k} of the batch differs from its encode alone by {}",
-                rel_diff(share, &alone)
-            );
+        let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
+        for (k, (share, image)) in outputs.iter().zip(&images).enumerate() {
             let rel = rel_diff(share, &cpu.encode(image).unwrap());
             assert!(
                 rel < 1e-4,

@@ -417,18 +417,27 @@ mod wgpu_interop {
                 host_pointer_alignment: 0,
             };
         };
-        let offered: Vec<&'static CStr> = IMPORT_EXTENSIONS
+        caps_with(&hal_adapter, &offered_extensions(&hal_adapter, &[]))
+    }
+
+    /// The import extensions (and `extra`) that `adapter` offers.
+    fn offered_extensions(
+        adapter: &wgpu::hal::vulkan::Adapter,
+        extra: &[&'static CStr],
+    ) -> Vec<&'static CStr> {
+        IMPORT_EXTENSIONS
             .into_iter()
-            .filter(|e| {
-                hal_adapter
-                    .physical_device_capabilities()
-                    .supports_extension(e)
-            })
-            .collect();
+            .chain(extra.iter().copied())
+            .filter(|e| adapter.physical_device_capabilities().supports_extension(e))
+            .collect()
+    }
+
+    /// The imports a device on `adapter` with `extensions` enabled can do.
+    fn caps_with(adapter: &wgpu::hal::vulkan::Adapter, extensions: &[&'static CStr]) -> ImportCaps {
         ImportCaps::query(
-            hal_adapter.shared_instance().raw_instance(),
-            hal_adapter.raw_physical_device(),
-            &offered,
+            adapter.shared_instance().raw_instance(),
+            adapter.raw_physical_device(),
+            extensions,
         )
     }
 
@@ -444,20 +453,8 @@ mod wgpu_interop {
             unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }.ok_or_else(|| {
                 Error::Vulkan("the adapter does not run on wgpu's Vulkan backend".into())
             })?;
-        let wanted: Vec<&'static CStr> = IMPORT_EXTENSIONS
-            .into_iter()
-            .chain([KHR_SEMAPHORE_FD])
-            .filter(|e| {
-                hal_adapter
-                    .physical_device_capabilities()
-                    .supports_extension(e)
-            })
-            .collect();
-        let caps = ImportCaps::query(
-            hal_adapter.shared_instance().raw_instance(),
-            hal_adapter.raw_physical_device(),
-            &wanted,
-        );
+        let wanted = offered_extensions(&hal_adapter, &[KHR_SEMAPHORE_FD]);
+        let caps = caps_with(&hal_adapter, &wanted);
         let extra = wanted.clone();
         let callback = Box::new(
             move |args: wgpu::hal::vulkan::CreateDeviceCallbackArgs<'_, '_, '_>| {
