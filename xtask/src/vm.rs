@@ -331,7 +331,7 @@ impl Lab {
              mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 labout /newroot{run} || exec poweroff -f\n\
              echo \"lab: modules loaded, host root mounted; running the plan\"\n\
              chroot /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin \
-             HOME=/root XDG_RUNTIME_DIR=/run NPU_HAL_WAIT_TIMEOUT_S=180 CI={ci} {xtask} device-test --guest {run}/plan.json\n\
+             HOME=/root XDG_RUNTIME_DIR=/run NPU_HAL_WAIT_TIMEOUT_S=1800 CI={ci} {xtask} device-test --guest {run}/plan.json\n\
              echo \"lab: guest runner exited with $?\"\n\
              sync\n\
              poweroff -f\n",

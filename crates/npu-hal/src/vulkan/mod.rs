@@ -76,9 +76,11 @@ pub enum AdapterChoice {
 pub struct VulkanConfig {
     pub adapter: AdapterChoice,
     /// How long a host wait (on a foreign timeline, or for results) may take before failing.
-    /// Default: 30 s, or `NPU_HAL_WAIT_TIMEOUT_S` seconds (the VM lab, whose emulated CPUs run
-    /// lavapipe slowly, sets 180).
-    pub wait_timeout: Duration,
+    /// It catches a hang, never a slow submission. `None` (the default, unless
+    /// `NPU_HAL_WAIT_TIMEOUT_S` is set): 30 s on a GPU, 600 s on a CPU implementation
+    /// (lavapipe), where one 512-token prefill of SmolLM2-135M on 2 cores has taken over 30 s.
+    /// The VM lab, whose emulated CPUs run lavapipe slower still, sets 1800.
+    pub wait_timeout: Option<Duration>,
     /// Time every dispatch (a timestamp after each, which serialises them): what
     /// [`Device::profile`] reports. Default: on when `NPU_HAL_PROFILE` is set.
     pub profile: bool,
@@ -107,12 +109,10 @@ impl Default for VulkanConfig {
     fn default() -> Self {
         VulkanConfig {
             adapter: AdapterChoice::Best,
-            wait_timeout: Duration::from_secs(
-                std::env::var("NPU_HAL_WAIT_TIMEOUT_S")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(30),
-            ),
+            wait_timeout: std::env::var("NPU_HAL_WAIT_TIMEOUT_S")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_secs),
             profile: std::env::var_os("NPU_HAL_PROFILE").is_some(),
             gemv_lanes: std::env::var("NPU_HAL_GEMV_LANES")
                 .ok()
@@ -268,6 +268,10 @@ enum Grid {
 /// [`VulkanConfig::gemv_lanes`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
 const GPU_GEMV_LANES: u32 = 64;
 const CPU_GEMV_LANES: u32 = 32;
+
+/// [`VulkanConfig::wait_timeout`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
+const GPU_WAIT_TIMEOUT: Duration = Duration::from_secs(30);
+const CPU_WAIT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Batches longer than this take the prefill variants (GEMM, paged attention).
 const SHORT_BATCH: u32 = 8;
@@ -565,7 +569,11 @@ impl VulkanNpu {
             }),
             kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
-            wait_timeout: config.wait_timeout,
+            wait_timeout: config.wait_timeout.unwrap_or(if ctx.adapter.is_cpu() {
+                CPU_WAIT_TIMEOUT
+            } else {
+                GPU_WAIT_TIMEOUT
+            }),
             readback_ledger: uvm_alloc::CopyLedger::global().stage("gpu-readback"),
             splice_imports: Vec::new(),
             next_import: 0,
