@@ -17,6 +17,8 @@
 //! - With [`ColumnOrder::ActOrder`] columns are rounded in order of decreasing Hessian
 //!   diagonal (the inputs with the most energy first), and the scales are fixed beforehand
 //!   from the original weights, since the blocks are no longer visited whole.
+//! - After GPTQ, [`GptqOptions::refine_passes`] passes of coordinate descent on the same loss
+//!   (QuantEase's idea) move single codes, scales fixed, while that lowers the loss.
 //!
 //! Everything is deterministic: the same inputs give the same bytes, on any thread count.
 //! Rows are independent once the Hessian is factored, so [`Prepared`] can be shared between
@@ -53,6 +55,12 @@ pub struct GptqOptions {
     /// output error once the columns after it compensate. The rule alone only sees the block's
     /// values, not what the compensation can absorb.
     pub scale_by_loss: bool,
+    /// After GPTQ, up to this many passes of coordinate descent on the same (damped) loss,
+    /// scales fixed: each column in turn takes the code that minimizes the loss with every
+    /// other column as it stands (QuantEase, Behdin et al., 2023). GPTQ rounds each column
+    /// once, against the columns before it only; a pass lets a column answer the columns
+    /// rounded after it. The loss never rises. 0: GPTQ alone; the default is 8.
+    pub refine_passes: u32,
 }
 
 impl Default for GptqOptions {
@@ -63,6 +71,7 @@ impl Default for GptqOptions {
             damp: 0.01,
             order: ColumnOrder::Natural,
             scale_by_loss: false,
+            refine_passes: 8,
         }
     }
 }
@@ -224,6 +233,9 @@ pub struct Prepared {
     /// The upper Cholesky factor of the inverse of the damped, permuted Hessian, row-major f32:
     /// row `p` holds how column `p`'s error spreads onto the columns after it.
     u: Vec<f32>,
+    /// The damped Hessian in column order, f64, with dead columns' rows and columns zero:
+    /// the loss [`GptqOptions::refine_passes`] descends. Empty when no pass is asked for.
+    damped: Vec<f64>,
 }
 
 impl Prepared {
@@ -273,6 +285,17 @@ impl Prepared {
                 };
             }
         }
+        let damped = if options.refine_passes == 0 {
+            Vec::new()
+        } else {
+            let mut h = vec![0f64; n * n];
+            for i in (0..n).filter(|&i| !dead[i]) {
+                for j in (0..n).filter(|&j| !dead[j]) {
+                    h[i * n + j] = hessian[i * n + j] + if i == j { damp } else { 0.0 };
+                }
+            }
+            h
+        };
         cholesky_lower(&mut a, n)?;
         let inv = invert_lower(&a, n);
         let mut u = vec![0f32; n * n];
@@ -287,6 +310,7 @@ impl Prepared {
             perm,
             dead,
             u,
+            damped,
         })
     }
 
@@ -366,6 +390,12 @@ impl Prepared {
                 }
             }
             for r in 0..r_count {
+                self.refine(
+                    format,
+                    &tile[r * n..(r + 1) * n],
+                    &exps[r * per_row..(r + 1) * per_row],
+                    &mut codes[r * n..(r + 1) * n],
+                );
                 let row = t * TILE + r;
                 for b in 0..per_row {
                     scales[row * per_row + b] = (exps[r * per_row + b] + SCALE_BIAS) as u8;
@@ -378,6 +408,68 @@ impl Prepared {
             }
         }
         Ok(())
+    }
+
+    /// Coordinate descent on one row's damped loss `(w - q)^T H (w - q)`, block exponents
+    /// `exps` fixed, for [`GptqOptions::refine_passes`] passes or until a pass changes nothing.
+    /// With `g = H (w - q)`, moving column `c`'s error by `t` changes the loss by
+    /// `2 t g_c + t^2 H_cc`, least at `t = -g_c / H_cc`: the column's best value is
+    /// `q_c + g_c / H_cc`, and the loss is quadratic in it, so the nearest code on the block's
+    /// grid is the best code.
+    fn refine(&self, format: ElemFormat, w: &[f32], exps: &[i32], codes: &mut [u8]) {
+        if self.options.refine_passes == 0 {
+            return;
+        }
+        let n = self.cols;
+        let h = &self.damped;
+        let value =
+            |c: usize, code: u8| f64::from(decode_elem(format, code)) * pow2(exps[c / BLOCK]);
+        let mut err: Vec<f64> = (0..n)
+            .map(|c| {
+                if self.dead[c] {
+                    0.0
+                } else {
+                    f64::from(w[c]) - value(c, codes[c])
+                }
+            })
+            .collect();
+        let mut g: Vec<f64> = (0..n)
+            .map(|i| {
+                h[i * n..(i + 1) * n]
+                    .iter()
+                    .zip(&err)
+                    .map(|(a, b)| a * b)
+                    .sum()
+            })
+            .collect();
+        for _ in 0..self.options.refine_passes {
+            let mut changed = false;
+            for c in (0..n).filter(|&c| !self.dead[c]) {
+                let q = f64::from(w[c]) - err[c];
+                let best = q + g[c] / h[c * n + c];
+                let e = exps[c / BLOCK];
+                let code = encode_elem(format, best * pow2(-e), self.options.rounding);
+                if code == codes[c] {
+                    continue;
+                }
+                let new_err = f64::from(w[c]) - value(c, code);
+                let step = new_err - err[c];
+                // Only a strict fall is taken, so a pass cannot cycle between two codes.
+                if 2.0 * step * g[c] + step * step * h[c * n + c] >= 0.0 {
+                    continue;
+                }
+                codes[c] = code;
+                err[c] = new_err;
+                // H is symmetric: column c is row c.
+                for (gi, &hc) in g.iter_mut().zip(&h[c * n..(c + 1) * n]) {
+                    *gi += step * hc;
+                }
+                changed = true;
+            }
+            if !changed {
+                break;
+            }
+        }
     }
 
     /// Of `start - 1`, `start` and `start + 1`, the exponent whose rounding of the block at
@@ -568,6 +660,48 @@ mod tests {
         }
     }
 
+    /// Coordinate descent after GPTQ lowers the damped loss it descends, in every format and
+    /// both orders, and gives the same bytes on a second run.
+    #[test]
+    fn refinement_passes_lower_gptq_loss_in_every_format() {
+        let (rows, cols) = (48, 128);
+        let (w, _, h) = layer(rows, cols, 512);
+        let damp = 0.01;
+        let mean = (0..cols).map(|i| h[i * cols + i]).sum::<f64>() / cols as f64;
+        let mut damped = h.clone();
+        for i in 0..cols {
+            damped[i * cols + i] += damp * mean;
+        }
+        for format in ElemFormat::ALL {
+            for order in [ColumnOrder::Natural, ColumnOrder::ActOrder] {
+                let run = |refine_passes| {
+                    let options = GptqOptions {
+                        damp,
+                        order,
+                        refine_passes,
+                        ..GptqOptions::default()
+                    };
+                    let mut s = vec![0u8; rows * cols / BLOCK];
+                    let mut p = vec![0u8; packed_len(format, rows * cols)];
+                    let prepared = Prepared::new(&h, cols, options).unwrap();
+                    prepared.quantize(format, &w, &mut s, &mut p).unwrap();
+                    (s, p)
+                };
+                let loss = |(s, p): &(Vec<u8>, Vec<u8>)| {
+                    output_error(&w, &dequantized(format, s, p, w.len()), &damped, cols)
+                };
+                let (gptq, refined) = (run(0), run(8));
+                assert_eq!(gptq.0, refined.0, "{format}: the scales stay GPTQ's");
+                let (before, after) = (loss(&gptq), loss(&refined));
+                assert!(
+                    after < 0.98 * before,
+                    "{format} {order:?}: refined {after:.4e} vs GPTQ {before:.4e}"
+                );
+                assert!(run(8) == refined, "{format}: deterministic");
+            }
+        }
+    }
+
     #[test]
     fn scales_chosen_by_loss_beat_scales_chosen_by_the_rule() {
         let (rows, cols) = (48, 128);
@@ -576,6 +710,7 @@ mod tests {
             let error = |scale_by_loss| {
                 let options = GptqOptions {
                     scale_by_loss,
+                    refine_passes: 0,
                     ..GptqOptions::default()
                 };
                 let mut s = vec![0u8; rows * cols / BLOCK];

@@ -680,7 +680,7 @@ struct QuantizeArgs {
     #[arg(long, default_value = "gptq")]
     method: String,
     /// Block-rotate the attention and MLP matrices (32-point Walsh-Hadamard; the kernels
-    /// rotate activations to match; CPU NPU only for now).
+    /// rotate activations to match, on the CPU NPU and the GPU backend).
     #[arg(long)]
     rotate: bool,
     /// GPTQ's damping, as a fraction of the Hessian's mean diagonal.
@@ -689,6 +689,10 @@ struct QuantizeArgs {
     /// Round columns in order of decreasing input energy (scales fixed beforehand).
     #[arg(long)]
     act_order: bool,
+    /// After GPTQ, up to N passes of coordinate descent on GPTQ's loss, scales fixed: each
+    /// column takes the code best for the row as the other columns stand (0: GPTQ alone).
+    #[arg(long, default_value_t = 8)]
+    refine: u32,
     /// Block scale rule: mse (the best of three exponents by the block's squared error),
     /// ocp (the spec's floor rule), or loss (GPTQ: the best of the three by GPTQ's loss,
     /// the error feedback inside the block included; rounding to nearest takes mse).
@@ -724,6 +728,7 @@ fn quantize(a: QuantizeArgs) -> Result<(), Box<dyn std::error::Error>> {
             scale: policy.scale,
             damp: a.damp,
             scale_by_loss: a.scale == "loss",
+            refine_passes: a.refine,
             order: if a.act_order {
                 mx_quant::gptq::ColumnOrder::ActOrder
             } else {

@@ -8,7 +8,8 @@
 //!    share one, as do gate and up). Evaluation texts must never be calibration text;
 //!    [`check_not_evaluation_text`] refuses the one this project evaluates on.
 //! 2. **Rounding** ([`quantize`]): every matrix the policy stores as MX is converted, by
-//!    round-to-nearest or by GPTQ against its layer's `H` (`mx_quant::gptq`), optionally after
+//!    round-to-nearest or by GPTQ against its layer's `H` (`mx_quant::gptq`, with its
+//!    coordinate-descent passes after), optionally after
 //!    32-point block rotations of the weights (`mx_quant::hadamard`; the kernels rotate the
 //!    activations to match). The embedding table is always rounded to nearest: most of its
 //!    uses are row lookups, which no input statistic describes.
@@ -509,8 +510,9 @@ pub fn quantize(
     let method = match options.method {
         Method::RoundToNearest => format!("round-to-nearest, scale {:?}", options.policy.scale),
         Method::Gptq(g) => format!(
-            "gptq, damp {}, order {:?}, scale {:?} (embedding rounded to nearest)",
-            g.damp, g.order, g.scale
+            "gptq, damp {}, order {:?}, scale {:?}, {} refinement passes (embedding rounded to \
+             nearest)",
+            g.damp, g.order, g.scale, g.refine_passes
         ),
     };
     let mut metadata: Vec<(String, Value)> = source

@@ -144,7 +144,7 @@ fn a_quantized_file_records_its_policy_and_loads_as_stored() {
 }
 
 #[test]
-fn calibrated_gptq_and_rotations_beat_round_to_nearest_on_held_out_tokens() {
+fn calibrated_gptq_rotations_and_refinement_beat_round_to_nearest_on_held_out_tokens() {
     let dir = Scratch::new("gptq");
     let held_out = batches(77, 2, 64);
     let reference: Vec<Vec<f32>> = {
@@ -163,27 +163,34 @@ fn calibrated_gptq_and_rotations_beat_round_to_nearest_on_held_out_tokens() {
         eprintln!("{name}: logit MSE {e:.4e}");
         e
     };
-    let gptq = |order| {
+    let gptq = |order, refine_passes| {
         Method::Gptq(GptqOptions {
             order,
+            refine_passes,
             ..GptqOptions::default()
         })
     };
     let rtn = error("rtn", Method::RoundToNearest, false);
     let rtn_rotated = error("rtn-rotated", Method::RoundToNearest, true);
-    let natural = error("gptq", gptq(ColumnOrder::Natural), false);
-    let act_order = error("gptq-act-order", gptq(ColumnOrder::ActOrder), false);
-    let both = error("gptq-rotated", gptq(ColumnOrder::Natural), true);
+    let natural = error("gptq", gptq(ColumnOrder::Natural, 0), false);
+    let act_order = error("gptq-act-order", gptq(ColumnOrder::ActOrder, 0), false);
+    let both = error("gptq-rotated", gptq(ColumnOrder::Natural, 0), true);
+    let refined = error("gptq-rotated-refined", gptq(ColumnOrder::Natural, 8), true);
     for (name, e) in [
         ("gptq", natural),
         ("gptq act order", act_order),
         ("gptq rotated", both),
+        ("gptq rotated refined", refined),
     ] {
         assert!(
             e < rtn,
             "{name}: {e:.4e} against round-to-nearest {rtn:.4e}"
         );
     }
+    assert!(
+        refined < both,
+        "refinement passes: {refined:.4e} against GPTQ's {both:.4e}"
+    );
     assert!(
         rtn_rotated < rtn,
         "rotation alone: {rtn_rotated:.4e} against {rtn:.4e}"
