@@ -9,8 +9,8 @@
 //! - [`bulk`]: quantize/dequantize over slices with run-time ISA dispatch ([`Isa`]), bit-exact
 //!   with the reference.
 //! - [`layout`]: the linear packed layout and llama.cpp's `block_mxfp4` (GGUF interop).
-//! - [`gptq`]: error-compensating quantization (GPTQ with MX block scales), given a layer's
-//!   input Hessian; [`hadamard`]: 32-point block rotations of weights and activations.
+//! - [`gptq`]: error-compensating quantization (GPTQ with MX block scales, then
+//!   coordinate-descent refinement), given a layer's input Hessian; [`hadamard`]: 32-point block rotations of weights and activations.
 //!
 //! # Design
 //! - The reference is the spec; SIMD variants live in their own modules (`x86/`), are chosen at
