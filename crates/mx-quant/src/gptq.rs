@@ -637,15 +637,18 @@ mod tests {
                 };
                 bulk::quantize(format, rtn_options, &w, &mut s, &mut p).unwrap();
                 let rtn = output_error(&w, &dequantized(format, &s, &p, w.len()), &h, cols);
-                for (order, scale_by_loss) in [
-                    (ColumnOrder::Natural, false),
-                    (ColumnOrder::Natural, true),
-                    (ColumnOrder::ActOrder, false),
+                for (order, scale_by_loss, refine_passes) in [
+                    (ColumnOrder::Natural, false, 0),
+                    (ColumnOrder::Natural, true, 0),
+                    (ColumnOrder::ActOrder, false, 0),
+                    (ColumnOrder::Natural, false, 8),
+                    (ColumnOrder::ActOrder, false, 8),
                 ] {
                     let options = GptqOptions {
                         scale,
                         order,
                         scale_by_loss,
+                        refine_passes,
                         ..GptqOptions::default()
                     };
                     let prepared = Prepared::new(&h, cols, options).unwrap();
@@ -653,7 +656,8 @@ mod tests {
                     let gptq = output_error(&w, &dequantized(format, &s, &p, w.len()), &h, cols);
                     assert!(
                         gptq < 0.8 * rtn,
-                        "{format} {scale:?} {order:?}: GPTQ {gptq:.4e} vs round-to-nearest {rtn:.4e}"
+                        "{format} {scale:?} {order:?} {refine_passes} passes: GPTQ {gptq:.4e} vs \
+                         round-to-nearest {rtn:.4e}"
                     );
                 }
             }
