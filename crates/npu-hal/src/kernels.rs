@@ -203,23 +203,43 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 /// Index and value of the largest element (the first on ties); `None` for an empty slice or
 /// when every element is NaN.
 pub fn argmax(x: &[f32]) -> Option<(usize, f32)> {
-    // The maximum over 16 independent lanes (`f32::max` skips a NaN operand), so the loop has
-    // no dependency chain and vectorises; then the first index holding it. NaN never equals it,
-    // so an all-NaN input finds nothing.
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
+    // 16 independent lanes, each keeping its largest value and the chunk it came from; the
+    // updates are selects with no branch, so the loop vectorises (`f32::max`'s NaN rules do
+    // not, and a second pass to find the index cost as much again). A strict `>` keeps the
+    // first of equal values and never takes a NaN.
+    const LANES: usize = 16;
+    let mut best = [f32::NEG_INFINITY; LANES];
+    let mut chunk_of = [u32::MAX; LANES];
+    let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l = l.max(v);
+    for (c, values) in chunks.enumerate() {
+        for j in 0..LANES {
+            let v = values[j];
+            let greater = v > best[j];
+            best[j] = if greater { v } else { best[j] };
+            chunk_of[j] = if greater { c as u32 } else { chunk_of[j] };
         }
     }
-    let max = tail
-        .iter()
-        .chain(&lanes)
-        .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let i = x.iter().position(|&v| v == max)?;
-    Some((i, max))
+    let mut found: Option<(usize, f32)> = None;
+    for j in (0..LANES).filter(|&j| chunk_of[j] != u32::MAX) {
+        let i = chunk_of[j] as usize * LANES + j;
+        match found {
+            Some((at, v)) if v > best[j] || (v == best[j] && at < i) => {}
+            _ => found = Some((i, best[j])),
+        }
+    }
+    let start = x.len() - tail.len();
+    for (k, &v) in tail.iter().enumerate() {
+        if found.is_none_or(|(_, b)| v > b) && v > f32::NEG_INFINITY {
+            found = Some((start + k, v));
+        }
+    }
+    // Nothing above minus infinity: the first minus infinity, if any (NaN never counts).
+    found.or_else(|| {
+        x.iter()
+            .position(|&v| v == f32::NEG_INFINITY)
+            .map(|i| (i, f32::NEG_INFINITY))
+    })
 }
 
 /// `log(sum(exp(x)))`, max-subtracted, accumulated in f64 (perplexity sums thousands of these).
@@ -487,6 +507,31 @@ mod tests {
         x[36] = 9.0;
         x[20] = f32::NAN;
         assert_eq!(argmax(&x), Some((36, 9.0)));
+        // Against the plain definition (the first index of the largest non-NaN value), on
+        // lengths around the lane width, with ties, NaNs and infinities.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..100 {
+            let v: Vec<f32> = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    match state % 11 {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        n => (n % 4) as f32,
+                    }
+                })
+                .collect();
+            let plain = v.iter().enumerate().filter(|(_, x)| !x.is_nan()).fold(
+                None,
+                |best: Option<(usize, f32)>, (i, &x)| match best {
+                    Some((_, b)) if b >= x => best,
+                    _ => Some((i, x)),
+                },
+            );
+            assert_eq!(argmax(&v), plain, "{v:?}");
+        }
         let lse = log_sum_exp(&[0.0, 0.0]);
         assert!((lse - 2f64.ln()).abs() < 1e-12);
     }

@@ -4,8 +4,11 @@
 //! The model is compiled once into two npu-hal programs: the body (embedding, the blocks, the
 //! final norm) over every token of a batch, and the head (the output projection) over the rows
 //! whose logits are wanted, in slices of at most [`DecoderOptions::max_logit_rows`] so a 512-token
-//! prompt never holds 512 x vocab logits at once. Each submission waits on and signals the
-//! decoder's CPU timeline, which is how other stages will hand work to it.
+//! prompt never holds 512 x vocab logits at once. A batch whose wanted rows fit in one slice (a
+//! decode step, a prompt's last chunk) runs the two as one program, one submission: a device
+//! pays its submission and wake-up once per token, and the GPU folds the final norm into the
+//! head. Each submission waits on and signals the decoder's timeline, which is how other stages
+//! hand work to it.
 //!
 //! Invariants: the KV cache holds the tokens of the current sequence (`self.len` positions), less
 //! the whole pages a KV budget dropped ([`Decoder::set_pruning`]); every token it holds has its
@@ -311,6 +314,8 @@ pub struct Decoder {
     kv: KvCache,
     body: Vec<Op>,
     head: Vec<Op>,
+    /// The body then the head: one submission for a batch whose wanted rows fit one slice.
+    body_and_head: Vec<Op>,
     logits: TensorId,
     options: DecoderOptions,
     report: LoadReport,
@@ -642,6 +647,7 @@ impl Decoder {
             config,
             device,
             kv,
+            body_and_head: [body.as_slice(), head.as_slice()].concat(),
             body,
             head,
             logits,
@@ -1054,14 +1060,24 @@ impl Decoder {
                 }
                 None => (timeline, self.tick),
             };
+            // The wanted rows of this chunk, in chunk coordinates: with the body in one
+            // submission when they fit one head slice, else a head-sized slice at a time after.
+            let slice = self.options.max_logit_rows.max(1);
+            let lo = want.start.max(done).min(chunk_end) - done;
+            let hi = want.end.max(done).min(chunk_end) - done;
+            let together = lo < hi && hi - lo <= slice;
             self.device.submit(Submission {
-                ops: &self.body,
+                ops: if together {
+                    &self.body_and_head
+                } else {
+                    &self.body
+                },
                 batch: Batch {
                     tokens: chunk,
                     first_pos: self.len,
                     seq: self.seq,
                     slots: &appended.slots,
-                    select: 0..0,
+                    select: if together { lo..hi } else { 0..0 },
                     embeddings,
                 },
                 kv: Some(&mut self.kv),
@@ -1071,12 +1087,16 @@ impl Decoder {
             })?;
             self.tick += 1;
             self.len += chunk.len();
-            // Logits for the wanted rows of this chunk, a head-sized slice at a time.
-            let lo = want.start.max(done).min(chunk_end) - done;
-            let hi = want.end.max(done).min(chunk_end) - done;
-            let mut row = lo;
+            if together {
+                let out = &mut logits[..(hi - lo) * vocab];
+                self.device.read_tensor(self.logits, 0..hi - lo, out)?;
+                for (j, l) in out.chunks_exact(vocab).enumerate() {
+                    on_logits(done + lo + j, l);
+                }
+            }
+            let mut row = if together { hi } else { lo };
             while row < hi {
-                let end = (row + self.options.max_logit_rows.max(1)).min(hi);
+                let end = (row + slice).min(hi);
                 self.device.submit(Submission {
                     ops: &self.head,
                     batch: Batch {

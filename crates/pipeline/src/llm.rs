@@ -654,7 +654,9 @@ impl TokenSplit {
 }
 
 /// llama-bench's tests: `pp{n_prompt}` processes an `n_prompt`-token prompt in batches;
-/// `tg{n_gen}` generates `n_gen` tokens one at a time from an empty context. Each runs once to
+/// `tg{n_gen}` generates `n_gen` tokens one at a time. Both start from a context of `depth`
+/// tokens, prefilled untimed before each run (llama-bench's `-d`; the test is then named
+/// `pp{n_prompt}@d{depth}`, `tg{n_gen}@d{depth}`), else from an empty one. Each runs once to
 /// warm up, then `reps` times. Tokens are pseudo-random ids (the content does not change the
 /// work).
 pub fn bench(
@@ -662,6 +664,7 @@ pub fn bench(
     n_prompt: usize,
     n_gen: usize,
     reps: usize,
+    depth: usize,
 ) -> Result<Vec<BenchResult>, DecodeError> {
     let vocab = decoder.config().vocab_size as u64;
     let mut state = 0x2545_f491_4f6c_dd1du64;
@@ -671,13 +674,29 @@ pub fn bench(
         state ^= state << 17;
         (state % vocab) as u32
     };
+    let context: Vec<u32> = (0..depth).map(|_| token()).collect();
+    let at_depth = |name: String| {
+        if depth > 0 {
+            format!("{name}@d{depth}")
+        } else {
+            name
+        }
+    };
+    // A fresh sequence holding the `depth` context tokens.
+    let start = |decoder: &mut Decoder| -> Result<(), DecodeError> {
+        decoder.reset()?;
+        if !context.is_empty() {
+            decoder.forward_last(&context)?;
+        }
+        Ok(())
+    };
     let mut results = Vec::new();
     if n_prompt > 0 {
         let prompt: Vec<u32> = (0..n_prompt).map(|_| token()).collect();
         let mut samples = Vec::new();
         let (mut wall, mut first) = (Duration::ZERO, None);
         for rep in 0..=reps {
-            decoder.reset()?;
+            start(decoder)?;
             let before = decoder.device().stats();
             let t = Instant::now();
             decoder.forward_last(&prompt)?;
@@ -695,7 +714,7 @@ pub fn bench(
             n_prompt * reps,
         );
         results.push(summarise(
-            format!("pp{n_prompt}"),
+            at_depth(format!("pp{n_prompt}")),
             n_prompt,
             0,
             samples,
@@ -707,7 +726,7 @@ pub fn bench(
         let mut logits = Vec::new();
         let (mut wall, mut sampling, mut first) = (Duration::ZERO, Duration::ZERO, None);
         for rep in 0..=reps {
-            decoder.reset()?;
+            start(decoder)?;
             let mut next = token();
             let before = decoder.device().stats();
             let mut picking = Duration::ZERO;
@@ -732,7 +751,13 @@ pub fn bench(
             sampling,
             n_gen * reps,
         );
-        results.push(summarise(format!("tg{n_gen}"), 0, n_gen, samples, split));
+        results.push(summarise(
+            at_depth(format!("tg{n_gen}")),
+            0,
+            n_gen,
+            samples,
+            split,
+        ));
     }
     Ok(results)
 }

@@ -161,6 +161,10 @@ enum Cmd {
         /// Repetitions after one warm-up run.
         #[arg(long, default_value_t = 5)]
         reps: usize,
+        /// Tokens already in the context when each test starts, prefilled untimed (llama-bench's
+        /// `-d`): decode speed at a long context.
+        #[arg(long, default_value_t = 0)]
+        depth: usize,
     },
     /// Run the vision encoder alone and write its output as .npy (image embeddings).
     #[cfg(feature = "vision")]
@@ -1138,9 +1142,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             n_prompt,
             n_gen,
             reps,
+            depth,
         } => {
             let (mut decoder, _) = model.open(1)?;
-            let results = pipeline::llm::bench(&mut decoder, n_prompt, n_gen, reps)?;
+            let results = pipeline::llm::bench(&mut decoder, n_prompt, n_gen, reps, depth)?;
             let r = decoder.report().clone();
             let info = decoder.device().info();
             println!(

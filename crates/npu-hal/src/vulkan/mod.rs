@@ -90,19 +90,23 @@ pub struct VulkanConfig {
     /// unless `NPU_HAL_GEMV_LANES` is set): 64 on a GPU, 32 on a CPU implementation (lavapipe),
     /// the fastest of each measured (README, "Decoder on the GPU").
     pub gemv_lanes: Option<u32>,
+    /// [`VulkanConfig::gemv_lanes`] for rows of more than 1024 columns (the MLP's
+    /// down projection at SmolLM2's widths, 1536), which give each lane that many more loads.
+    /// `None` (the default, unless `NPU_HAL_GEMV_WIDE_LANES` is set): as `gemv_lanes`.
+    pub gemv_wide_lanes: Option<u32>,
     /// Long batches' attention tiled as flash attention (`shaders/attention_tiled.wgsl`: a
     /// workgroup per 32 rows and head reads each key once) rather than a workgroup per row and
     /// head. `None` (the default, unless `NPU_HAL_TILED_ATTENTION` is 0 or 1): on a GPU, not
     /// on a CPU implementation (lavapipe), the faster on each (README, "Decoder on the GPU").
     pub tiled_attention: Option<bool>,
-    /// Prefill GEMMs whose 64 x 64 tiles would make fewer than this many workgroups take
-    /// 32 x 32 tiles with the columns split over 4 groups of invocations instead (4 times the
-    /// workgroups, each a quarter of the serial depth), for layers too narrow to fill a large
-    /// GPU (SmolLM2's 576-row projections make 72 tiles of 64 x 64 at 512 tokens). `None` (the
-    /// default, unless `NPU_HAL_GEMM_SPLIT_BELOW` is set): 0, never. On lavapipe the split
-    /// tile was slower (README, "Decoder on the GPU"); on a discrete GPU it is not measured yet.
-    /// Ignored on a device whose workgroup memory cannot hold the split tile (33 KB).
-    pub gemm_split_below: Option<u32>,
+    /// Workgroups each (row, head) of a decode step's attention is cut over, 1 to 64: every
+    /// one scores a contiguous range of the keys and the last to finish merges their partial
+    /// results (flash-decoding; `shaders/attention.wgsl`). One workgroup per head leaves a
+    /// large GPU mostly idle and each of its invocations a long serial chain of key loads.
+    /// `None` (the default, unless `NPU_HAL_ATTENTION_SPLITS` is set): 16 on a GPU, 1 on a CPU
+    /// implementation (lavapipe), which runs workgroups a few at a time anyway. Attention that
+    /// keeps statistics for KV pruning is never split.
+    pub attention_splits: Option<u32>,
 }
 
 impl Default for VulkanConfig {
@@ -117,12 +121,15 @@ impl Default for VulkanConfig {
             gemv_lanes: std::env::var("NPU_HAL_GEMV_LANES")
                 .ok()
                 .and_then(|v| v.parse().ok()),
+            gemv_wide_lanes: std::env::var("NPU_HAL_GEMV_WIDE_LANES")
+                .ok()
+                .and_then(|v| v.parse().ok()),
             tiled_attention: match std::env::var("NPU_HAL_TILED_ATTENTION").as_deref() {
                 Ok("0") => Some(false),
                 Ok("1") => Some(true),
                 _ => None,
             },
-            gemm_split_below: std::env::var("NPU_HAL_GEMM_SPLIT_BELOW")
+            attention_splits: std::env::var("NPU_HAL_ATTENTION_SPLITS")
                 .ok()
                 .and_then(|v| v.parse().ok()),
         }
@@ -248,8 +255,6 @@ enum Grid {
         accumulate: bool,
         /// Invocations per row of the GEMV variants.
         lanes: u32,
-        /// [`VulkanConfig::gemm_split_below`].
-        split_below: u32,
     },
     /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
     LinearRows { selected: bool },
@@ -268,6 +273,15 @@ enum Grid {
 /// [`VulkanConfig::gemv_lanes`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
 const GPU_GEMV_LANES: u32 = 64;
 const CPU_GEMV_LANES: u32 = 32;
+
+/// Rows wider than this take [`VulkanConfig::gemv_wide_lanes`].
+const WIDE_GEMV_COLS: u32 = 1024;
+
+/// [`VulkanConfig::attention_splits`]'s defaults: on a GPU, and on a CPU implementation of
+/// Vulkan; and the most it takes.
+const GPU_ATTENTION_SPLITS: u32 = 16;
+const CPU_ATTENTION_SPLITS: u32 = 1;
+const MAX_ATTENTION_SPLITS: u32 = 64;
 
 /// [`VulkanConfig::wait_timeout`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
 const GPU_WAIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -312,6 +326,9 @@ struct Program {
     /// `[layer][mass | last][keys]` f32, zeroed at the start of every run, and the keys'
     /// stride. A program built without them has none.
     stats: Option<(GpuBuffer, usize)>,
+    /// The split attention's partial results and its counters (zeroed at the start of every
+    /// run), made with the program's first split attention dispatch.
+    splits: Option<(GpuBuffer, GpuBuffer)>,
     pool: vk::DescriptorPool,
     dispatches: Vec<Dispatch>,
     /// Command buffers by (tokens, selected rows, splice source), the first two rounded up to
@@ -411,12 +428,13 @@ pub struct VulkanNpu {
     pending_times: Mutex<Vec<Pending>>,
     /// Per-dispatch timestamps ([`VulkanConfig::profile`]).
     profile: bool,
-    /// [`VulkanConfig::gemv_lanes`].
+    /// [`VulkanConfig::gemv_lanes`] and [`VulkanConfig::gemv_wide_lanes`].
     gemv_lanes: u32,
+    gemv_wide_lanes: u32,
     /// [`VulkanConfig::tiled_attention`].
     tiled_attention: bool,
-    /// [`VulkanConfig::gemm_split_below`].
-    gemm_split_below: u32,
+    /// [`VulkanConfig::attention_splits`].
+    attention_splits: u32,
     kernel_times: Mutex<HashMap<Kernel, (u64, f64)>>,
     counters: Counters,
     wait_timeout: Duration,
@@ -448,17 +466,19 @@ impl std::fmt::Debug for VulkanNpu {
 impl VulkanNpu {
     /// Opens the adapter `config` chooses.
     pub fn new(config: VulkanConfig) -> Result<VulkanNpu, Error> {
-        if let Some(lanes) = config
-            .gemv_lanes
-            .filter(|l| !shaders::GEMV_LANES.contains(l))
-        {
-            return Err(Error::Unsupported {
-                what: "this GEMV lane count",
-                why: format!(
-                    "{lanes} invocations per row (NPU_HAL_GEMV_LANES?); the kernel takes one of {:?}",
-                    shaders::GEMV_LANES
-                ),
-            });
+        for (lanes, var) in [
+            (config.gemv_lanes, "NPU_HAL_GEMV_LANES"),
+            (config.gemv_wide_lanes, "NPU_HAL_GEMV_WIDE_LANES"),
+        ] {
+            if let Some(lanes) = lanes.filter(|l| !shaders::GEMV_LANES.contains(l)) {
+                return Err(Error::Unsupported {
+                    what: "this GEMV lane count",
+                    why: format!(
+                        "{lanes} invocations per row ({var}?); the kernel takes one of {:?}",
+                        shaders::GEMV_LANES
+                    ),
+                });
+            }
         }
         let instance = Instance::new()?;
         let mut adapters = instance.adapters()?;
@@ -533,6 +553,11 @@ impl VulkanNpu {
                 .get_physical_device_queue_family_properties(ctx.physical)
         };
         let timestamps = families[ctx.queue_family as usize].timestamp_valid_bits > 0;
+        let gemv_lanes = config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
+            CPU_GEMV_LANES
+        } else {
+            GPU_GEMV_LANES
+        });
         Ok(VulkanNpu {
             pipelines: Pipelines::default(),
             weights: Vec::new(),
@@ -556,17 +581,16 @@ impl VulkanNpu {
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
             tiled_attention: config.tiled_attention.unwrap_or(!ctx.adapter.is_cpu()),
-            // The split tile is only asked for where its workgroup memory fits.
-            gemm_split_below: if ctx.max_shared_bytes >= shaders::SPLIT_GEMM_SHARED_BYTES {
-                config.gemm_split_below.unwrap_or(0)
-            } else {
-                0
-            },
-            gemv_lanes: config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
-                CPU_GEMV_LANES
-            } else {
-                GPU_GEMV_LANES
-            }),
+            attention_splits: config
+                .attention_splits
+                .unwrap_or(if ctx.adapter.is_cpu() {
+                    CPU_ATTENTION_SPLITS
+                } else {
+                    GPU_ATTENTION_SPLITS
+                })
+                .clamp(1, MAX_ATTENTION_SPLITS),
+            gemv_lanes,
+            gemv_wide_lanes: config.gemv_wide_lanes.unwrap_or(gemv_lanes),
             kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             wait_timeout: config.wait_timeout.unwrap_or(if ctx.adapter.is_cpu() {
@@ -964,6 +988,7 @@ impl VulkanNpu {
             splice_sets: Vec::new(),
             splice_pool: vk::DescriptorPool::null(),
             stats: None,
+            splits: None,
             pool: vk::DescriptorPool::null(),
             dispatches: Vec::new(),
             recorded: HashMap::new(),
@@ -1006,11 +1031,12 @@ impl VulkanNpu {
                 })?;
             p.stats = Some((self.ctx.buffer(bytes as u64, Memory::Readback)?, keys));
         }
-        // Two dispatches at most per op, five bindings at most per dispatch.
+        p.splits = self.split_buffers(p, stats)?;
+        // Two dispatches at most per op, eleven bindings at most per dispatch (the attention's).
         let sets = 2 * p.ops.len() as u32;
         let sizes = [vk::DescriptorPoolSize::default()
             .ty(vk::DescriptorType::STORAGE_BUFFER)
-            .descriptor_count(sets * 5)];
+            .descriptor_count(sets * 11)];
         let info = vk::DescriptorPoolCreateInfo::default()
             .max_sets(sets.max(1))
             .pool_sizes(&sizes);
@@ -1218,7 +1244,6 @@ impl VulkanNpu {
             format,
             input: kind,
             accumulate: accumulate.is_some(),
-            split_k: false,
         };
         self.push_dispatch(
             p,
@@ -1229,8 +1254,11 @@ impl VulkanNpu {
                 selected,
                 input: kind,
                 accumulate: accumulate.is_some(),
-                lanes: self.gemv_lanes,
-                split_below: self.gemm_split_below,
+                lanes: if cols > WIDE_GEMV_COLS {
+                    self.gemv_wide_lanes
+                } else {
+                    self.gemv_lanes
+                },
             },
             push,
             &bufs,
@@ -1474,6 +1502,16 @@ impl VulkanNpu {
         // MX pages are read back from the pages (this kernel does not round to MX blocks).
         let in_batch = !matches!(kvf, KvFormat::Mx(_));
         let stats = p.stats.as_ref().map(|(b, _)| b.raw);
+        // Statistics need every key's probability in one workgroup: never split there.
+        let splits = if stats.is_some() {
+            1
+        } else {
+            self.attention_splits
+        };
+        let (splits, partials, counters) = match &p.splits {
+            Some((partials, counters)) if splits > 1 => (splits, partials.raw, counters.raw),
+            _ => (1, step, step),
+        };
         let kernel = Kernel::Attention {
             kv: kvf,
             head_dim: hd,
@@ -1483,8 +1521,9 @@ impl VulkanNpu {
             rope_k: k_rope.is_some(),
             in_batch,
             stats: stats.is_some(),
+            splits,
         };
-        let mut bufs = vec![
+        let bufs = [
             step,
             t(self, q),
             pages,
@@ -1493,8 +1532,10 @@ impl VulkanNpu {
             t(self, k),
             t(self, v),
             freqs,
+            stats.unwrap_or(step),
+            partials,
+            counters,
         ];
-        bufs.extend(stats);
         // Earlier positions' pages come from earlier submissions (ordered by the barrier that
         // opens every command buffer); this batch's come from k and v when `in_batch`.
         let reads = if in_batch {
@@ -1518,6 +1559,7 @@ impl VulkanNpu {
             rope_k: false,
             in_batch: false,
             stats: stats.is_some(),
+            splits: 1,
         };
         // The tiled kernel keeps no statistics, and needs its tiles to fit.
         let tiled = shaders::tiled_attention_shared_bytes(hd)
@@ -1538,6 +1580,51 @@ impl VulkanNpu {
         let writes = vec![Resource::Tensor(out.0)];
         self.push_dispatch(p, kernel, grid, push, &bufs, reads, writes)?;
         Ok(())
+    }
+
+    /// Program `p`'s split-attention buffers, when its attention is split: room for
+    /// [`shaders::SPLIT_ROWS`] rows of the widest attention op's query heads, `splits` partial
+    /// results of head_dim + 2 values each, and a counter per layer, row and head.
+    fn split_buffers(
+        &self,
+        p: &Program,
+        stats: bool,
+    ) -> Result<Option<(GpuBuffer, GpuBuffer)>, Error> {
+        let q_heads = p
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Attention { q_heads, .. } => Some(*q_heads),
+                _ => None,
+            })
+            .max();
+        let (Some(q_heads), Some(k), false, true) =
+            (q_heads, p.kv, stats, self.attention_splits > 1)
+        else {
+            return Ok(None);
+        };
+        let rows = shaders::SPLIT_ROWS as usize;
+        let limit = u64::from(self.ctx.max_storage_range);
+        let partial_bytes = (rows * q_heads)
+            .checked_mul(self.attention_splits as usize * (k.layout.head_dim + 2) * 4)
+            .filter(|&b| b as u64 <= limit)
+            .ok_or(Error::Limit {
+                what: "split attention's partial results (rows x heads x splits x head size)",
+            })?;
+        let counter_bytes = (k.layout.layers * rows)
+            .checked_mul(q_heads * 4)
+            .filter(|&b| b as u64 <= limit)
+            .ok_or(Error::Limit {
+                what: "split attention's counters (layers x rows x heads)",
+            })?;
+        let partials = self.ctx.buffer(partial_bytes as u64, Memory::Device)?;
+        match self.ctx.buffer(counter_bytes as u64, Memory::Device) {
+            Ok(counters) => Ok(Some((partials, counters))),
+            Err(e) => {
+                self.ctx.destroy(partials);
+                Err(e)
+            }
+        }
     }
 
     /// Adds one dispatch of `kernel` to `p`, with a descriptor set binding `buffers` in order.
@@ -1689,6 +1776,11 @@ impl VulkanNpu {
             // SAFETY: recording; a transfer-destination buffer of this device, whole size.
             unsafe { d.cmd_fill_buffer(cb, stats.raw, 0, vk::WHOLE_SIZE, 0) };
         }
+        if let Some((_, counters)) = &self.programs[pi].splits {
+            // Every run's split attention counts from zero (ordered as above).
+            // SAFETY: as above.
+            unsafe { d.cmd_fill_buffer(cb, counters.raw, 0, vk::WHOLE_SIZE, 0) };
+        }
         // Earlier submissions and host writes of the step buffer come before everything here.
         full_barrier(&d, cb);
         let mut written: Vec<Resource> = Vec::new();
@@ -1818,6 +1910,10 @@ impl VulkanNpu {
         if let Some((b, _)) = p.stats {
             self.ctx.destroy(b);
         }
+        if let Some((partials, counters)) = p.splits {
+            self.ctx.destroy(partials);
+            self.ctx.destroy(counters);
+        }
     }
 
     /// Writes the step values of `batch` (and its spliced rows) into program `pi`'s buffers.
@@ -1942,7 +2038,13 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             ..
         } if n > SHORT_BATCH => (tiled, [n.div_ceil(shaders::TILED_ATTENTION_ROWS), heads, 1]),
         Grid::Attention { heads, paged, .. } if n > SHORT_BATCH => (paged, [n, heads, 1]),
-        Grid::Attention { heads, .. } => (kernel, [n, heads, 1]),
+        Grid::Attention { heads, .. } => {
+            let splits = match kernel {
+                Kernel::Attention { splits, .. } => splits,
+                _ => 1,
+            };
+            (kernel, [n, heads, splits])
+        }
         Grid::Linear {
             format,
             rows,
@@ -1950,7 +2052,6 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             input,
             accumulate,
             lanes,
-            split_below,
         } => {
             let m = if sel { selected as u32 } else { n };
             let gemv = |tokens| Kernel::Gemv {
@@ -1964,19 +2065,14 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             match m {
                 0 | 1 => (gemv(1), [groups, 1, 1]),
                 2..=SHORT_BATCH => (gemv(8), [groups, 1, 1]),
-                _ => {
-                    let split_k = rows.div_ceil(64) * m.div_ceil(64) < split_below;
-                    let tile = if split_k { 32 } else { 64 };
-                    (
-                        Kernel::Gemm {
-                            format,
-                            input,
-                            accumulate,
-                            split_k,
-                        },
-                        [rows.div_ceil(tile), m.div_ceil(tile), 1],
-                    )
-                }
+                _ => (
+                    Kernel::Gemm {
+                        format,
+                        input,
+                        accumulate,
+                    },
+                    [rows.div_ceil(64), m.div_ceil(64), 1],
+                ),
             }
         }
     }

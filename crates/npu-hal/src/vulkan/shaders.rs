@@ -129,13 +129,11 @@ pub(crate) enum Kernel {
         input: LinearInput,
         accumulate: bool,
     },
-    /// A GEMM tiled 64 rows x 64 tokens, or, with `split_k`, 32 x 32 with the columns split
-    /// over 4 groups of invocations (`shaders/linear_gemm.wgsl`).
+    /// A GEMM tiled 64 rows x 64 tokens (`shaders/linear_gemm.wgsl`).
     Gemm {
         format: WeightFormat,
         input: LinearInput,
         accumulate: bool,
-        split_k: bool,
     },
     Embed {
         format: WeightFormat,
@@ -159,7 +157,9 @@ pub(crate) enum Kernel {
     /// (`rope_q`) and of this batch's keys (`rope_k`); `in_batch` reads this batch's keys and
     /// values from the k and v tensors rather than from the pages; `stats` also adds every
     /// key's probability to the attention statistics buffer (binding 8,
-    /// `shaders/attention_stats.wgsl`).
+    /// `shaders/attention_stats.wgsl`); `splits` > 1 cuts each (row, head)'s keys over that
+    /// many workgroups, merged by the last to finish through bindings 9 (partial results) and
+    /// 10 (counters), for batches of at most [`SPLIT_ROWS`] rows and without statistics.
     Attention {
         kv: KvFormat,
         head_dim: u32,
@@ -169,6 +169,7 @@ pub(crate) enum Kernel {
         rope_k: bool,
         in_batch: bool,
         stats: bool,
+        splits: u32,
     },
     /// Attention for long batches, tiled (`shaders/attention_tiled.wgsl`): a workgroup per
     /// [`TILED_ATTENTION_ROWS`] rows and head, every key read from the pages; `rope` and
@@ -181,10 +182,9 @@ pub(crate) enum Kernel {
     },
 }
 
-/// Workgroup memory of the split-K [`Kernel::Gemm`] tile (`shaders/linear_gemm.wgsl` with
-/// BM = BN = 32, KS = 4): its weight and input tiles (4 x 32 x 8 vec4 each), the RMSNorm's
-/// partial sums (256 f32) and inverse norms (32 f32).
-pub(crate) const SPLIT_GEMM_SHARED_BYTES: u32 = 2 * 4 * 32 * 8 * 16 + 256 * 4 + 32 * 4;
+/// Batch rows a split [`Kernel::Attention`] takes at most (the short-batch bound), which sizes
+/// its counters: one per layer, row and query head.
+pub(crate) const SPLIT_ROWS: u32 = 8;
 
 /// Batch rows per workgroup of [`Kernel::AttentionTiled`] (its BQ).
 pub(crate) const TILED_ATTENTION_ROWS: u32 = 32;
@@ -206,8 +206,10 @@ impl Kernel {
             Kernel::Rope => 3,
             Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu => 4,
             Kernel::Embed { .. } | Kernel::KvWrite { .. } => 5,
-            Kernel::Attention { stats, .. } => 8 + u32::from(stats),
-            Kernel::AttentionTiled { .. } => 8,
+            // The attention variants of one dispatch share its descriptor set: binding 8 is
+            // the statistics, 9 and 10 the split partials and counters, placeholders where a
+            // variant has none.
+            Kernel::Attention { .. } | Kernel::AttentionTiled { .. } => 11,
             Kernel::Gemv { .. } | Kernel::Gemm { .. } | Kernel::Rotate { .. } => 6,
         }
     }
@@ -236,8 +238,15 @@ impl Kernel {
                 input,
                 accumulate,
             } => {
+                // TEMPORARY (H200 A/B): NPU_HAL_GEMV_UNROLL.
+                let unroll: u32 = std::env::var("NPU_HAL_GEMV_UNROLL")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(4);
                 s.push_str(&format!(
-                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\n"
+                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\n\
+                     // Loop steps whose weight loads are in flight together.\n\
+                     const UNROLL: u32 = {unroll}u;\n"
                 ));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
@@ -247,12 +256,7 @@ impl Kernel {
                 format,
                 input,
                 accumulate,
-                split_k,
             } => {
-                let (tile, groups) = if split_k { (32, 4) } else { (64, 1) };
-                s.push_str(&format!(
-                    "const BM: u32 = {tile}u;\nconst BN: u32 = {tile}u;\nconst KS: u32 = {groups}u;\n"
-                ));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMM);
@@ -310,8 +314,15 @@ impl Kernel {
                 rope_k,
                 in_batch,
                 stats,
+                splits,
             } => {
-                s.push_str(&format!("const WG: u32 = {workgroup}u;\n"));
+                s.push_str(&format!(
+                    "const WG: u32 = {workgroup}u;\nconst SPLITS: u32 = {splits}u;\n\
+                     const SPLIT_ROWS: u32 = {SPLIT_ROWS}u;\n\
+                     @group(0) @binding(9) var<storage, read_write> partials: array<f32>;\n\
+                     @group(0) @binding(10) var<storage, read_write> split_counters: \
+                     array<atomic<u32>>;\n"
+                ));
                 attention(&mut s, kv, head_dim, rope, rope_q, rope_k, in_batch);
                 s.push_str(ATTENTION);
                 s.push_str(if stats {
@@ -571,12 +582,11 @@ mod tests {
                             accumulate,
                         }));
                     }
-                    kernels.extend([false, true].map(|split_k| Kernel::Gemm {
+                    kernels.push(Kernel::Gemm {
                         format,
                         input,
                         accumulate,
-                        split_k,
-                    }));
+                    });
                 }
             }
         }
@@ -588,9 +598,14 @@ mod tests {
             for (head_dim, workgroup) in [(32, 64), (64, 64), (64, 32), (128, 32), (256, 16)] {
                 for (rope, rope_q, rope_k) in [(0, false, false), (1, true, true), (2, true, false)]
                 {
-                    for (in_batch, stats) in
-                        [(false, false), (true, false), (false, true), (true, true)]
-                    {
+                    for (in_batch, stats, splits) in [
+                        (false, false, 1),
+                        (true, false, 1),
+                        (false, true, 1),
+                        (true, true, 1),
+                        (true, false, 16),
+                        (false, false, 16),
+                    ] {
                         kernels.push(Kernel::Attention {
                             kv,
                             head_dim,
@@ -600,6 +615,7 @@ mod tests {
                             rope_k,
                             in_batch,
                             stats,
+                            splits,
                         });
                     }
                     kernels.push(Kernel::AttentionTiled {

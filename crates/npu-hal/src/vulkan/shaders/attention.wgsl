@@ -7,7 +7,17 @@
 // ROPE (0, or the pairing of a rotary embedding folded in: 1 interleaved, 2 half-split),
 // ROPE_Q (1: rotate q here), ROPE_K (1: rotate this batch's keys here) and INBATCH (1: keys of
 // this batch come from the k and v tensors, rounded to the page dtype as the KV write stores
-// them, so this kernel does not wait for that write).
+// them, so this kernel does not wait for that write) and SPLITS.
+//
+// With SPLITS > 1 (decode, flash-decoding style) the keys of each (row, head) are cut into
+// SPLITS contiguous ranges, one workgroup each (grid z), so a head's keys are read by SPLITS
+// workgroups at once instead of one. Each writes its partial result (the unnormalised output,
+// its maximum and its sum) to `partials`, then counts itself done on the (layer, row, head)
+// counter; the workgroup that finishes last merges the SPLITS partials into `out`. The
+// counters are zeroed at the start of every run and each layer has its own, so none is reused
+// within a run. The partials are published at device scope (storageBarrier, a device-scope
+// release and acquire) around the counter's atomic, the pattern of CUDA's threadfence
+// reduction; nothing waits on another workgroup, so no forward-progress guarantee is needed.
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read> k: array<f32>;
@@ -18,6 +28,8 @@ var<workgroup> red_m: array<f32, WG>;
 var<workgroup> red_l: array<f32, WG>;
 // Each invocation's acc, with a stride of HD + 1 so the writes hit distinct banks.
 var<workgroup> accs: array<f32, WG * (HD + 1u)>;
+// Whether this workgroup is the last of its (row, head) to finish (SPLITS > 1).
+var<workgroup> merges: u32;
 
 // Two values as a page of the cache's dtype would give them back (f32, f16 or bf16).
 fn as_stored(x: vec2<f32>) -> vec2<f32> {
@@ -89,10 +101,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     workgroupBarrier();
     let keys = cached + row + 1u;
+    // This workgroup's contiguous range of the keys (all of them when SPLITS is 1).
+    let per = (keys + SPLITS - 1u) / SPLITS;
+    let lo = min(keys, wg.z * per);
+    let hi = min(keys, lo + per);
     var m = -3.0e38;
     var l = 0.0;
     var acc: array<f32, HD>;
-    for (var j = lid; j < keys; j += WG) {
+    for (var j = lo + lid; j < hi; j += WG) {
         let s = key_score(j, first, cached, kvh, kvw);
         let in_batch = INBATCH != 0u && j >= cached;
         let block = step_block(j / pc.block_tokens);
@@ -132,12 +148,57 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var t = 0u; t < WG; t++) {
         total += red_l[t];
     }
-    for (var d = lid; d < HD; d += WG) {
-        var o = 0.0;
-        for (var t = 0u; t < WG; t++) {
-            o += accs[t * (HD + 1u) + d];
+    if (SPLITS == 1u) {
+        for (var d = lid; d < HD; d += WG) {
+            var o = 0.0;
+            for (var t = 0u; t < WG; t++) {
+                o += accs[t * (HD + 1u) + d];
+            }
+            out[qrow + d] = o / total;
         }
-        out[qrow + d] = o / total;
+    } else {
+        // An empty range (a short context) leaves mx = -3e38 and total = 0: weight 0 below.
+        let mine = ((row * pc.q_heads + h) * SPLITS + wg.z) * (HD + 2u);
+        for (var d = lid; d < HD; d += WG) {
+            var o = 0.0;
+            for (var t = 0u; t < WG; t++) {
+                o += accs[t * (HD + 1u) + d];
+            }
+            partials[mine + d] = o;
+        }
+        if (lid == 0u) {
+            partials[mine + HD] = mx;
+            partials[mine + HD + 1u] = total;
+        }
+        // Release: this workgroup's partial is visible device-wide before it counts itself.
+        storageBarrier();
+        if (lid == 0u) {
+            let counter = (pc.layer * SPLIT_ROWS + row) * pc.q_heads + h;
+            merges = u32(atomicAdd(&split_counters[counter], 1u) == SPLITS - 1u);
+        }
+        if (workgroupUniformLoad(&merges) == 0u) {
+            return;
+        }
+        // Acquire: every other split's partial, published before its count, is seen here.
+        storageBarrier();
+        let first = (row * pc.q_heads + h) * SPLITS * (HD + 2u);
+        var big = -3.0e38;
+        for (var s = 0u; s < SPLITS; s++) {
+            big = max(big, partials[first + s * (HD + 2u) + HD]);
+        }
+        var sum = 0.0;
+        for (var s = 0u; s < SPLITS; s++) {
+            let at = first + s * (HD + 2u);
+            sum += partials[at + HD + 1u] * exp(partials[at + HD] - big);
+        }
+        for (var d = lid; d < HD; d += WG) {
+            var o = 0.0;
+            for (var s = 0u; s < SPLITS; s++) {
+                let at = first + s * (HD + 2u);
+                o += partials[at + d] * exp(partials[at + HD] - big);
+            }
+            out[qrow + d] = o / sum;
+        }
     }
     // The stats variant adds each key's probability to the program's attention statistics
     // (the other variants' record_stats is empty).

@@ -2,9 +2,16 @@
 // batches): LANES invocations per row striding it four elements at a time, 256 / LANES rows per
 // workgroup, every decoded weight used for all NT tokens, the lanes' sums added as a tree. The
 // module declares NT, LANES, W_FORMAT and the linear_io.wgsl constants.
+//
+// A folded RMSNorm (IN_MODE 1) costs no pass of its own: rms_norm(x) * gain = (x * gain) / rms,
+// and 1 / rms is the same for every output row, so the loop takes dot(w, x * gain) and the
+// sum of squares of x together (a row's lanes see all of x between them), the tree adds both,
+// and the scale is applied to the sum. The step waits on one round of loads, not two.
 const WG: u32 = 256u;
 const ROWS_PER_WG: u32 = WG / LANES;
-var<workgroup> red: array<f32, 2048>;
+var<workgroup> red: array<f32, NT * WG>;
+// The sums of squares of the first row's lanes (IN_MODE 1).
+var<workgroup> red_ss: array<f32, NT * LANES>;
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -17,44 +24,44 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         return;
     }
     let nt = min(NT, span.y - t0);
-    // The fused RMSNorm's 1 / rms per token, reduced across the workgroup.
-    var inv: array<f32, NT>;
-    if (IN_MODE == 1u) {
-        for (var t = 0u; t < NT; t++) {
-            var s = 0.0;
-            if (t < nt) {
-                s = sum_squares(span.x + t0 + t, lid, WG);
-            }
-            red[t * WG + lid] = s;
-        }
-        workgroupBarrier();
-        for (var stride = WG / 2u; stride > 0u; stride >>= 1u) {
-            if (lid < stride) {
-                for (var t = 0u; t < NT; t++) {
-                    red[t * WG + lid] += red[t * WG + lid + stride];
-                }
-            }
-            workgroupBarrier();
-        }
-        for (var t = 0u; t < NT; t++) {
-            inv[t] = 1.0 / sqrt(red[t * WG] / f32(pc.cols) + pc.eps);
-        }
-        workgroupBarrier();
-    }
     let k4s = pc.cols / 4u;
     var acc: array<f32, NT>;
+    var ss: array<f32, NT>;
     if (row < pc.rows) {
-        for (var k4 = lane; k4 < k4s; k4 += LANES) {
-            let w = w4(row, k4 * 4u, pc.cols);
-            for (var t = 0u; t < NT; t++) {
-                if (t < nt) {
-                    acc[t] += dot(w, load_x(span.x + t0 + t, k4, inv[t]));
+        // UNROLL steps at a time: every weight load of the group is issued before the first
+        // is decoded, so a lane waits on memory once per group rather than once per step.
+        for (var base = lane; base < k4s; base += LANES * UNROLL) {
+            var raw: array<vec4<u32>, UNROLL>;
+            for (var u = 0u; u < UNROLL; u++) {
+                let k4 = base + u * LANES;
+                if (k4 < k4s) {
+                    raw[u] = w4_load(row, k4 * 4u, pc.cols);
+                }
+            }
+            for (var u = 0u; u < UNROLL; u++) {
+                let k4 = base + u * LANES;
+                if (k4 < k4s) {
+                    let w = w4_unpack(raw[u]);
+                    for (var t = 0u; t < NT; t++) {
+                        if (t < nt) {
+                            if (IN_MODE == 1u) {
+                                let v = x[(span.x + t0 + t) * k4s + k4];
+                                ss[t] += dot(v, v);
+                                acc[t] += dot(w, v * aux[k4]);
+                            } else {
+                                acc[t] += dot(w, load_x(span.x + t0 + t, k4, 1.0));
+                            }
+                        }
+                    }
                 }
             }
         }
     }
     for (var t = 0u; t < NT; t++) {
         red[(local_row * NT + t) * LANES + lane] = acc[t];
+        if (IN_MODE == 1u && local_row == 0u) {
+            red_ss[t * LANES + lane] = ss[t];
+        }
     }
     workgroupBarrier();
     for (var stride = LANES / 2u; stride > 0u; stride >>= 1u) {
@@ -62,11 +69,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             for (var t = 0u; t < NT; t++) {
                 let i = (local_row * NT + t) * LANES + lane;
                 red[i] += red[i + stride];
+                if (IN_MODE == 1u && local_row == 0u) {
+                    red_ss[t * LANES + lane] += red_ss[t * LANES + lane + stride];
+                }
             }
         }
         workgroupBarrier();
     }
     if (lane < nt && row < pc.rows) {
-        store_y((t0 + lane) * pc.rows + row, red[(local_row * NT + lane) * LANES]);
+        var sum = red[(local_row * NT + lane) * LANES];
+        if (IN_MODE == 1u) {
+            sum /= sqrt(red_ss[lane * LANES] / f32(pc.cols) + pc.eps);
+        }
+        store_y((t0 + lane) * pc.rows + row, sum);
     }
 }
