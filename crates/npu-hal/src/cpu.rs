@@ -593,6 +593,8 @@ impl Device for CpuNpu {
             mut attention,
             wait,
             signal,
+            // Every op's result is written here, needed or not.
+            live: _,
         } = s;
         if batch.tokens.is_empty() {
             return Err(Error::BadOp {

@@ -244,6 +244,12 @@ pub struct Submission<'a> {
     pub attention: Option<&'a mut kv_paged::prune::AttentionTracker>,
     pub wait: Option<(&'a dyn Timeline, u64)>,
     pub signal: Option<(&'a dyn Timeline, u64)>,
+    /// The tensors whose contents anything after this submission reads (a later submission,
+    /// [`Device::read_tensor`]); `None`: every tensor. A device may leave the others
+    /// unwritten: the GPU folds an op into the ops that read its result (an RMSNorm into the
+    /// linear layers after it) only where that result is not needed afterwards. The KV cache
+    /// is always kept.
+    pub live: Option<&'a [TensorId]>,
 }
 
 /// What kind of engine a device is.

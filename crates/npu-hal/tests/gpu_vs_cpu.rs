@@ -252,6 +252,11 @@ fn run(
 ) -> Vec<f32> {
     let mut out = Vec::new();
     let mut pos = 0;
+    // Only the head's input outlives the body, and only the logits the head: the GPU folds
+    // the last layer's ops as it does the others'.
+    let Some(&Op::Linear { x: head_input, .. }) = model.head.first() else {
+        panic!("the head is a linear layer");
+    };
     for chunk in chunks {
         let appended = kv.append(0, chunk).expect("append");
         device
@@ -269,6 +274,7 @@ fn run(
                 attention: tracker.as_deref_mut(),
                 wait: None,
                 signal: None,
+                live: Some(&[head_input]),
             })
             .expect("body");
         let rows = LOGIT_ROWS.min(chunk.len());
@@ -287,6 +293,7 @@ fn run(
                 attention: None,
                 wait: None,
                 signal: None,
+                live: Some(&[model.logits]),
             })
             .expect("head");
         let mut logits = vec![0f32; rows * VOCAB];
@@ -320,6 +327,7 @@ fn submit_without_cache(
         attention: None,
         wait: None,
         signal: None,
+        live: None,
     })
 }
 
@@ -670,6 +678,7 @@ fn run_spliced(
             attention: None,
             wait,
             signal: None,
+            live: None,
         })
         .expect("body");
     let rows = LOGIT_ROWS;
@@ -681,6 +690,7 @@ fn run_spliced(
             attention: None,
             wait: None,
             signal: None,
+            live: None,
         })
         .expect("head");
     let mut logits = vec![0f32; rows * VOCAB];
@@ -824,6 +834,7 @@ fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
         attention: None,
         wait: Some((&*upstream, at)),
         signal: Some((&*own, own_next)),
+        live: None,
     })
     .expect("submitted");
     let after = gpu.stats();
@@ -855,6 +866,7 @@ fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
         attention: None,
         wait: None,
         signal: None,
+        live: None,
     })
     .expect("head");
     let mut got = vec![0f32; rows * VOCAB];

@@ -316,6 +316,8 @@ pub struct Decoder {
     head: Vec<Op>,
     /// The body then the head: one submission for a batch whose wanted rows fit one slice.
     body_and_head: Vec<Op>,
+    /// What the head reads (the final norm's output), and what it writes.
+    head_input: TensorId,
     logits: TensorId,
     options: DecoderOptions,
     report: LoadReport,
@@ -648,6 +650,7 @@ impl Decoder {
             device,
             kv,
             body_and_head: [body.as_slice(), head.as_slice()].concat(),
+            head_input: xn,
             body,
             head,
             logits,
@@ -1084,6 +1087,12 @@ impl Decoder {
                 attention: ranks_by_attention.then_some(&mut self.attention),
                 wait: Some(wait),
                 signal: Some((timeline, self.tick + 1)),
+                // Nothing but the logits (or the head's input) is read after it.
+                live: Some(if together {
+                    std::slice::from_ref(&self.logits)
+                } else {
+                    std::slice::from_ref(&self.head_input)
+                }),
             })?;
             self.tick += 1;
             self.len += chunk.len();
@@ -1111,6 +1120,7 @@ impl Decoder {
                     attention: None,
                     wait: Some((timeline, self.tick)),
                     signal: Some((timeline, self.tick + 1)),
+                    live: Some(std::slice::from_ref(&self.logits)),
                 })?;
                 self.tick += 1;
                 let out = &mut logits[..(end - row) * vocab];
@@ -1190,6 +1200,8 @@ impl Decoder {
                     attention: None,
                     wait: Some((timeline, self.tick)),
                     signal: Some((timeline, self.tick + 1)),
+                    // The segment's results are read back below, whichever they are.
+                    live: None,
                 })?;
                 self.tick += 1;
                 start = end;

@@ -92,7 +92,9 @@ pub struct VulkanConfig {
     pub gemv_lanes: Option<u32>,
     /// [`VulkanConfig::gemv_lanes`] for rows of more than 1024 columns (the MLP's
     /// down projection at SmolLM2's widths, 1536), which give each lane that many more loads.
-    /// `None` (the default, unless `NPU_HAL_GEMV_WIDE_LANES` is set): as `gemv_lanes`.
+    /// `None` (the default, unless `NPU_HAL_GEMV_WIDE_LANES` is set): 256 on a GPU, the
+    /// fastest of 64, 128 and 256 on the H200 (README, "Decoder on the GPU"); as `gemv_lanes`
+    /// on a CPU implementation.
     pub gemv_wide_lanes: Option<u32>,
     /// Long batches' attention tiled as flash attention (`shaders/attention_tiled.wgsl`: a
     /// workgroup per 32 rows and head reads each key once) rather than a workgroup per row and
@@ -273,6 +275,9 @@ enum Grid {
 /// [`VulkanConfig::gemv_lanes`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
 const GPU_GEMV_LANES: u32 = 64;
 const CPU_GEMV_LANES: u32 = 32;
+/// [`VulkanConfig::gemv_wide_lanes`]'s default on a GPU (on a CPU implementation: as
+/// `gemv_lanes`).
+const GPU_GEMV_WIDE_LANES: u32 = 256;
 
 /// Rows wider than this take [`VulkanConfig::gemv_wide_lanes`].
 const WIDE_GEMV_COLS: u32 = 1024;
@@ -308,6 +313,9 @@ const STEP_HEADER: usize = 16;
 #[derive(Debug)]
 struct Program {
     ops: Vec<Op>,
+    /// [`Submission::live`]: the tensors read after a run (`None`: all), which decides what
+    /// can fold away.
+    live: Option<Vec<TensorId>>,
     kv: Option<KvKey>,
     step: GpuBuffer,
     /// Rows the step buffer has room for, and block-table entries.
@@ -590,7 +598,11 @@ impl VulkanNpu {
                 })
                 .clamp(1, MAX_ATTENTION_SPLITS),
             gemv_lanes,
-            gemv_wide_lanes: config.gemv_wide_lanes.unwrap_or(gemv_lanes),
+            gemv_wide_lanes: config.gemv_wide_lanes.unwrap_or(if ctx.adapter.is_cpu() {
+                gemv_lanes
+            } else {
+                GPU_GEMV_WIDE_LANES
+            }),
             kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
             wait_timeout: config.wait_timeout.unwrap_or(if ctx.adapter.is_cpu() {
@@ -715,6 +727,26 @@ impl VulkanNpu {
             return Ok(());
         }
         self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
+        // TEMPORARY (H200 A/B): NPU_HAL_WAIT=spin|slack.
+        match std::env::var("NPU_HAL_WAIT").as_deref() {
+            Ok("spin") => {
+                let start = std::time::Instant::now();
+                while self.completion.value()? < value {
+                    if start.elapsed() > self.wait_timeout {
+                        return self
+                            .completion
+                            .wait(value, Duration::ZERO)
+                            .map_err(Into::into);
+                    }
+                    std::hint::spin_loop();
+                }
+                return Ok(());
+            }
+            Ok("slack") => {
+                let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
+            }
+            _ => {}
+        }
         self.completion.wait(value, self.wait_timeout)?;
         Ok(())
     }
@@ -941,10 +973,16 @@ impl VulkanNpu {
         Ok(())
     }
 
-    fn find_program(&self, ops: &[Op], kv: Option<KvKey>, stats: bool) -> Option<usize> {
-        self.programs
-            .iter()
-            .position(|p| p.kv == kv && p.stats.is_some() == stats && p.ops == ops)
+    fn find_program(
+        &self,
+        ops: &[Op],
+        kv: Option<KvKey>,
+        stats: bool,
+        live: Option<&[TensorId]>,
+    ) -> Option<usize> {
+        self.programs.iter().position(|p| {
+            p.kv == kv && p.stats.is_some() == stats && p.live.as_deref() == live && p.ops == ops
+        })
     }
 
     /// Builds a program: its step buffer, descriptor sets and dispatch list.
@@ -953,6 +991,7 @@ impl VulkanNpu {
         ops: &[Op],
         kv: Option<KvKey>,
         stats: bool,
+        live: Option<&[TensorId]>,
     ) -> Result<Program, Error> {
         // Room for every row any tensor of the program holds.
         let mut rows = 1;
@@ -979,6 +1018,7 @@ impl VulkanNpu {
         let step = self.ctx.buffer(4 * step_words as u64, Memory::Upload)?;
         let mut program = Program {
             ops: ops.to_vec(),
+            live: live.map(<[TensorId]>::to_vec),
             kv,
             step,
             rows,
@@ -1044,7 +1084,7 @@ impl VulkanNpu {
         p.pool = unsafe { self.ctx.device.create_descriptor_pool(&info, None) }
             .map_err(vk_err("vkCreateDescriptorPool"))?;
         let ops = p.ops.clone();
-        let plan = fuse(&ops);
+        let plan = fuse(&ops, p.live.as_deref());
         // The rotated input the last rotated linear layer read: (its source, input stage,
         // the rotated copy), reused by the next one that reads the same while nothing wrote
         // the sources in between (Q, K and V share one).
@@ -2157,7 +2197,13 @@ fn writes(op: &Op, t: TensorId) -> bool {
 /// without reading it), provided every reader is a linear op and none of `inputs` (what `t` was
 /// computed from) changes before the last of them; `None` if `t` has another kind of reader, is
 /// never overwritten in the program (a later submission may read it), or has no reader.
-fn linear_readers(ops: &[Op], at: usize, t: TensorId, inputs: &[TensorId]) -> Option<Vec<usize>> {
+fn linear_readers(
+    ops: &[Op],
+    at: usize,
+    t: TensorId,
+    inputs: &[TensorId],
+    live: Option<&[TensorId]>,
+) -> Option<Vec<usize>> {
     let mut readers = Vec::new();
     let mut inputs_changed = false;
     for (j, op) in ops.iter().enumerate().skip(at + 1) {
@@ -2175,14 +2221,29 @@ fn linear_readers(ops: &[Op], at: usize, t: TensorId, inputs: &[TensorId]) -> Op
             inputs_changed = true;
         }
     }
-    None
+    // Not overwritten within the program: foldable only if nothing reads it afterwards.
+    (!readers.is_empty() && !is_live(live, t)).then_some(readers)
+}
+
+/// Whether `t`'s contents are read after the program ([`Submission::live`]).
+fn is_live(live: Option<&[TensorId]>, t: TensorId) -> bool {
+    live.is_none_or(|l| l.contains(&t))
+}
+
+/// Whether `t` is dead once `ops` have run: the next op touching it overwrites it without
+/// reading it, or none does and nothing after the program reads it.
+fn dead_in(ops: &[Op], t: TensorId, live: Option<&[TensorId]>) -> bool {
+    match ops.iter().find(|o| reads(o, t) || writes(o, t)) {
+        Some(o) => !reads(o, t),
+        None => !is_live(live, t),
+    }
 }
 
 /// Plans which ops fold into the linear layers next to them: an RMSNorm or a SwiGLU whose only
 /// readers are linear layers becomes their input stage, and an add of a linear layer's output
 /// into a residual becomes its output stage. Each fold removes a dispatch and, in a decoder, a
 /// barrier: the GPU's cost per token is mostly the chain of dependent dispatches.
-fn fuse(ops: &[Op]) -> Vec<Planned> {
+fn fuse(ops: &[Op], live: Option<&[TensorId]>) -> Vec<Planned> {
     let mut plan = vec![Planned::Alone; ops.len()];
     let mut input = vec![FusedInput::Plain; ops.len()];
     for (i, op) in ops.iter().enumerate() {
@@ -2206,7 +2267,7 @@ fn fuse(ops: &[Op]) -> Vec<Planned> {
             }
             _ => continue,
         };
-        if let Some(readers) = linear_readers(ops, i, out, &sources) {
+        if let Some(readers) = linear_readers(ops, i, out, &sources, live) {
             plan[i] = Planned::Folded;
             for r in readers {
                 input[r] = fused;
@@ -2231,10 +2292,7 @@ fn fuse(ops: &[Op]) -> Vec<Planned> {
             && !ops[i + 1..j]
                 .iter()
                 .any(|o| reads(o, acc) || writes(o, acc))
-            && ops[j + 1..]
-                .iter()
-                .find(|o| reads(o, out) || writes(o, out))
-                .is_some_and(|o| !reads(o, out))
+            && dead_in(&ops[j + 1..], out, live)
             && plan[j] == Planned::Alone
         {
             accumulate = Some(acc);
@@ -2255,10 +2313,7 @@ fn fuse(ops: &[Op]) -> Vec<Planned> {
             let r = (0..a)
                 .rev()
                 .find(|&j| reads(&ops[j], t) || writes(&ops[j], t))?;
-            let dead_after = ops[a + 1..]
-                .iter()
-                .find(|o| reads(o, t) || writes(o, t))
-                .is_some_and(|o| !reads(o, t));
+            let dead_after = dead_in(&ops[a + 1..], t, live);
             (matches!(ops[r], Op::Rope { x, .. } if x == t)
                 && plan[r] == Planned::Alone
                 && dead_after)
@@ -2556,6 +2611,8 @@ impl Device for VulkanNpu {
     }
 
     fn stats(&self) -> DeviceStats {
+        // Completed submissions' GPU time counts now, not at the next submission.
+        let _ = self.collect_times();
         let c = &self.counters;
         let ns = |a: &AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
         DeviceStats {
@@ -2650,6 +2707,7 @@ impl VulkanNpu {
             attention,
             wait,
             signal,
+            live,
         } = s;
         if batch.tokens.is_empty() {
             return Err(Error::BadOp {
@@ -2694,10 +2752,10 @@ impl VulkanNpu {
             }
         }
         let stats = attention.is_some();
-        let pi = match self.find_program(ops, kv_key, stats) {
+        let pi = match self.find_program(ops, kv_key, stats, live) {
             Some(i) => i,
             None => {
-                let p = self.build_program(ops, kv_key, stats)?;
+                let p = self.build_program(ops, kv_key, stats, live)?;
                 self.programs.push(p);
                 self.programs.len() - 1
             }
@@ -3115,7 +3173,7 @@ mod tests {
             eps: 1e-5,
             out: xn,
         });
-        let plan = fuse(&ops);
+        let plan = fuse(&ops, None);
         let folded = plan.iter().filter(|p| **p == Planned::Folded).count();
         // Layer 0: 2 norms, 2 ropes, 2 adds, 1 SwiGLU; layer 1: its norms, the add after O
         // (o is rewritten by down), nothing after down (o is never rewritten), RoPE on neither Q
@@ -3156,5 +3214,33 @@ mod tests {
         );
         // The final norm's output is read by another submission: it runs on its own.
         assert_eq!(plan[ops.len() - 1], Planned::Alone);
+
+        // Told that only the final norm's output is read afterwards, layer 1 folds as layer 0
+        // does (7 each), while the final norm still runs.
+        let plan = fuse(&ops, Some(&[xn]));
+        let folded = plan.iter().filter(|p| **p == Planned::Folded).count();
+        assert_eq!(folded, 7 + 7, "{plan:?}");
+        assert_eq!(plan[ops.len() - 1], Planned::Alone);
+        // With the head after it in the program and only the logits live, it folds too.
+        let logits = t(10);
+        ops.push(Op::Linear {
+            weight: w(11),
+            x: xn,
+            out: logits,
+            rows: Rows::Selected,
+        });
+        let plan = fuse(&ops, Some(&[logits]));
+        assert_eq!(plan[ops.len() - 2], Planned::Folded, "{plan:?}");
+        assert_eq!(
+            plan[ops.len() - 1],
+            Planned::Linear {
+                input: FusedInput::Norm {
+                    x,
+                    gain: w(10),
+                    eps: 1e-5
+                },
+                accumulate: None
+            }
+        );
     }
 }

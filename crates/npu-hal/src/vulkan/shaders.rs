@@ -238,15 +238,8 @@ impl Kernel {
                 input,
                 accumulate,
             } => {
-                // TEMPORARY (H200 A/B): NPU_HAL_GEMV_UNROLL.
-                let unroll: u32 = std::env::var("NPU_HAL_GEMV_UNROLL")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(4);
                 s.push_str(&format!(
-                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\n\
-                     // Loop steps whose weight loads are in flight together.\n\
-                     const UNROLL: u32 = {unroll}u;\n"
+                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\n"
                 ));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);

@@ -9,6 +9,9 @@
 // and the scale is applied to the sum. The step waits on one round of loads, not two.
 const WG: u32 = 256u;
 const ROWS_PER_WG: u32 = WG / LANES;
+// Loop steps whose weight loads are in flight together: 2 was the fastest of 1, 2 and 4 on
+// the H200 (README, "Decoder on the GPU").
+const UNROLL: u32 = 2u;
 var<workgroup> red: array<f32, NT * WG>;
 // The sums of squares of the first row's lanes (IN_MODE 1).
 var<workgroup> red_ss: array<f32, NT * LANES>;
