@@ -53,7 +53,10 @@ class Encoder(torch.nn.Module):
             layer_norm_eps=1e-6,
         )
         config._attn_implementation = attention
-        self.tower = SiglipVisionModel(config).vision_model
+        # The transformer itself: `SiglipVisionModel.vision_model` in transformers 4.x; newer
+        # releases (the device machine's) have no such attribute and are called alike.
+        model = SiglipVisionModel(config)
+        self.tower = getattr(model, "vision_model", model)
         self.scale = scale
         self.proj = torch.nn.Linear(hidden * scale * scale, text, bias=False)
 

@@ -57,7 +57,7 @@ pub use device::{
 };
 pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};
 #[cfg(feature = "vulkan")]
-pub use vulkan::{AdapterChoice, VulkanBackend, VulkanConfig, VulkanNpu};
+pub use vulkan::{AdapterChoice, HostWait, VulkanBackend, VulkanConfig, VulkanNpu};
 
 /// The README's example, compiled and run as a doctest so it cannot rot.
 #[cfg(doctest)]

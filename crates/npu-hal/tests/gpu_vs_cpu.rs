@@ -16,8 +16,8 @@ use mx_quant::gemv::MxMatrix;
 use mx_quant::{ElemFormat, QuantOptions};
 use npu_hal::ggml::{BlockMatrix, BlockType};
 use npu_hal::{
-    Batch, CpuConfig, CpuNpu, DenseMatrix, Device, Numerics, Op, RopeStyle, Rows, Submission,
-    TensorId, VulkanConfig, VulkanNpu, Weight,
+    Batch, CpuConfig, CpuNpu, DenseMatrix, Device, HostWait, Numerics, Op, RopeStyle, Rows,
+    Submission, TensorId, VulkanConfig, VulkanNpu, Weight,
 };
 use uvm_alloc::{Access, UnifiedBuffer};
 
@@ -331,12 +331,14 @@ fn submit_without_cache(
     })
 }
 
-/// The GPU backend with the tiled prefill attention and decode attention split over 4
-/// workgroups per head (merged by the last), neither of which lavapipe takes by default.
+/// The GPU backend with the tiled prefill attention, decode attention split over 4
+/// workgroups per head (merged by the last) and a spinning host wait, none of which lavapipe
+/// takes by default.
 fn gpu() -> Option<VulkanNpu> {
     gpu_with(VulkanConfig {
         tiled_attention: Some(true),
         attention_splits: Some(4),
+        host_wait: HostWait::Spin,
         ..VulkanConfig::default()
     })
 }
