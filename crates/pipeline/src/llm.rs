@@ -633,22 +633,38 @@ pub struct TokenSplit {
     pub host_waits: f64,
 }
 
+/// The device counters' growth over the timed parts of a bench only (not its untimed
+/// prefills of the `--depth` context).
+#[derive(Clone, Copy, Debug, Default)]
+struct Counted {
+    device: Option<Duration>,
+    submit: Duration,
+    readback: Duration,
+    host_waits: u64,
+}
+
+impl Counted {
+    /// Adds what the counters did between `a` and `b`.
+    fn add(&mut self, a: npu_hal::DeviceStats, b: npu_hal::DeviceStats) {
+        if let Some(d) = b.device_time.zip(a.device_time).map(|(b, a)| b - a) {
+            self.device = Some(self.device.unwrap_or_default() + d);
+        }
+        self.submit += b.submit_time - a.submit_time;
+        self.readback += b.readback_time - a.readback_time;
+        self.host_waits += b.host_waits - a.host_waits;
+    }
+}
+
 impl TokenSplit {
-    fn between(
-        a: npu_hal::DeviceStats,
-        b: npu_hal::DeviceStats,
-        wall: Duration,
-        sampling: Duration,
-        tokens: usize,
-    ) -> TokenSplit {
+    fn of(c: Counted, wall: Duration, sampling: Duration, tokens: usize) -> TokenSplit {
         let per = |d: Duration| d.as_secs_f64() * 1e6 / tokens.max(1) as f64;
         TokenSplit {
             wall_us: per(wall),
-            device_us: b.device_time.zip(a.device_time).map(|(b, a)| per(b - a)),
-            submit_us: per(b.submit_time - a.submit_time),
-            readback_us: per(b.readback_time - a.readback_time),
+            device_us: c.device.map(per),
+            submit_us: per(c.submit),
+            readback_us: per(c.readback),
             sampling_us: per(sampling),
-            host_waits: (b.host_waits - a.host_waits) as f64 / tokens.max(1) as f64,
+            host_waits: c.host_waits as f64 / tokens.max(1) as f64,
         }
     }
 }
@@ -694,7 +710,7 @@ pub fn bench(
     if n_prompt > 0 {
         let prompt: Vec<u32> = (0..n_prompt).map(|_| token()).collect();
         let mut samples = Vec::new();
-        let (mut wall, mut first) = (Duration::ZERO, None);
+        let (mut wall, mut counted) = (Duration::ZERO, Counted::default());
         for rep in 0..=reps {
             start(decoder)?;
             let before = decoder.device().stats();
@@ -702,17 +718,11 @@ pub fn bench(
             decoder.forward_last(&prompt)?;
             if rep > 0 {
                 wall += t.elapsed();
-                first.get_or_insert(before);
+                counted.add(before, decoder.device().stats());
                 samples.push(n_prompt as f64 / t.elapsed().as_secs_f64());
             }
         }
-        let split = TokenSplit::between(
-            first.unwrap_or_default(),
-            decoder.device().stats(),
-            wall,
-            Duration::ZERO,
-            n_prompt * reps,
-        );
+        let split = TokenSplit::of(counted, wall, Duration::ZERO, n_prompt * reps);
         results.push(summarise(
             at_depth(format!("pp{n_prompt}")),
             n_prompt,
@@ -724,7 +734,8 @@ pub fn bench(
     if n_gen > 0 {
         let mut samples = Vec::new();
         let mut logits = Vec::new();
-        let (mut wall, mut sampling, mut first) = (Duration::ZERO, Duration::ZERO, None);
+        let (mut wall, mut sampling) = (Duration::ZERO, Duration::ZERO);
+        let mut counted = Counted::default();
         for rep in 0..=reps {
             start(decoder)?;
             let mut next = token();
@@ -740,17 +751,11 @@ pub fn bench(
             if rep > 0 {
                 wall += t.elapsed();
                 sampling += picking;
-                first.get_or_insert(before);
+                counted.add(before, decoder.device().stats());
                 samples.push(n_gen as f64 / t.elapsed().as_secs_f64());
             }
         }
-        let split = TokenSplit::between(
-            first.unwrap_or_default(),
-            decoder.device().stats(),
-            wall,
-            sampling,
-            n_gen * reps,
-        );
+        let split = TokenSplit::of(counted, wall, sampling, n_gen * reps);
         results.push(summarise(
             at_depth(format!("tg{n_gen}")),
             0,
