@@ -1131,6 +1131,44 @@ mod speculative {
     }
 }
 
+mod sampling {
+    //! Greedy sampling's argmax over SmolLM2's 49152 logits (what every decode step runs on the
+    //! host), against the plain one-pass fold that defines it; compare its GB/s with the
+    //! `bandwidth` group of the same run.
+
+    use std::hint::black_box;
+
+    use criterion::{Criterion, Throughput};
+
+    /// The first index of the largest non-NaN value, one comparison per element.
+    fn plain_argmax(x: &[f32]) -> Option<(usize, f32)> {
+        x.iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_nan())
+            .fold(None, |best, (i, &v)| match best {
+                Some((_, b)) if b >= v => best,
+                _ => Some((i, v)),
+            })
+    }
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let vocab = 49152;
+        let logits: Vec<f32> = (0..vocab)
+            .map(|i| ((i as u64 * 2_654_435_761) % 10_007) as f32 * 1e-3)
+            .collect();
+        assert_eq!(npu_hal::kernels::argmax(&logits), plain_argmax(&logits));
+        let mut group = c.benchmark_group("sampling");
+        group.throughput(Throughput::Bytes(4 * vocab as u64));
+        group.bench_function("argmax/49152", |b| {
+            b.iter(|| npu_hal::kernels::argmax(black_box(&logits)))
+        });
+        group.bench_function("plain-fold/49152", |b| {
+            b.iter(|| plain_argmax(black_box(&logits)))
+        });
+        group.finish();
+    }
+}
+
 criterion_group!(
     benches,
     bandwidth::bench,
@@ -1144,6 +1182,7 @@ criterion_group!(
     isp::bench,
     grammar::bench,
     speculative::bench,
-    vision::bench
+    vision::bench,
+    sampling::bench
 );
 criterion_main!(benches);

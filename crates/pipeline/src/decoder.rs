@@ -1096,33 +1096,30 @@ impl Decoder {
             })?;
             self.tick += 1;
             self.len += chunk.len();
-            if together {
-                let out = &mut logits[..(hi - lo) * vocab];
-                self.device.read_tensor(self.logits, 0..hi - lo, out)?;
-                for (j, l) in out.chunks_exact(vocab).enumerate() {
-                    on_logits(done + lo + j, l);
-                }
-            }
-            let mut row = if together { hi } else { lo };
+            // Each head slice's logits; the first slice's are already computed when the body
+            // ran with the head.
+            let mut row = lo;
             while row < hi {
                 let end = (row + slice).min(hi);
-                self.device.submit(Submission {
-                    ops: &self.head,
-                    batch: Batch {
-                        tokens: chunk,
-                        first_pos: self.len - chunk.len(),
-                        seq: self.seq,
-                        slots: &appended.slots,
-                        select: row..end,
-                        embeddings: None,
-                    },
-                    kv: None,
-                    attention: None,
-                    wait: Some((timeline, self.tick)),
-                    signal: Some((timeline, self.tick + 1)),
-                    live: Some(std::slice::from_ref(&self.logits)),
-                })?;
-                self.tick += 1;
+                if !(together && row == lo) {
+                    self.device.submit(Submission {
+                        ops: &self.head,
+                        batch: Batch {
+                            tokens: chunk,
+                            first_pos: self.len - chunk.len(),
+                            seq: self.seq,
+                            slots: &appended.slots,
+                            select: row..end,
+                            embeddings: None,
+                        },
+                        kv: None,
+                        attention: None,
+                        wait: Some((timeline, self.tick)),
+                        signal: Some((timeline, self.tick + 1)),
+                        live: Some(std::slice::from_ref(&self.logits)),
+                    })?;
+                    self.tick += 1;
+                }
                 let out = &mut logits[..(end - row) * vocab];
                 self.device.read_tensor(self.logits, 0..end - row, out)?;
                 for (j, l) in out.chunks_exact(vocab).enumerate() {

@@ -123,7 +123,7 @@ pub enum HostWait {
     #[default]
     Block,
     /// Polls the timeline's value, one core busy for the whole wait: no wake-up latency. On the
-    /// H200 a SmolLM2-135M decode step took 1124-1157 us against 1197-1224 us blocking (README,
+    /// H200 a decode step of a SmolLM2-135M-shaped model took 1124-1157 us against 1197-1224 us blocking (README,
     /// "Decoder on the GPU"); worth it where a core is to spare and latency is what counts.
     Spin,
 }
@@ -356,7 +356,7 @@ struct Program {
     /// stride. A program built without them has none.
     stats: Option<(GpuBuffer, usize)>,
     /// The split attention's partial results and its counters (zeroed at the start of every
-    /// run), made with the program's first split attention dispatch.
+    /// run), where its attention is split ([`VulkanNpu::split_buffers`]).
     splits: Option<(GpuBuffer, GpuBuffer)>,
     pool: vk::DescriptorPool,
     dispatches: Vec<Dispatch>,
@@ -1560,15 +1560,11 @@ impl VulkanNpu {
         // MX pages are read back from the pages (this kernel does not round to MX blocks).
         let in_batch = !matches!(kvf, KvFormat::Mx(_));
         let stats = p.stats.as_ref().map(|(b, _)| b.raw);
-        // Statistics need every key's probability in one workgroup: never split there.
-        let splits = if stats.is_some() {
-            1
-        } else {
-            self.attention_splits
-        };
+        // A program has split buffers only where its attention is split (never where it keeps
+        // statistics, which need every key's probability in one workgroup).
         let (splits, partials, counters) = match &p.splits {
-            Some((partials, counters)) if splits > 1 => (splits, partials.raw, counters.raw),
-            _ => (1, step, step),
+            Some((partials, counters)) => (self.attention_splits, partials.raw, counters.raw),
+            None => (1, step, step),
         };
         let kernel = Kernel::Attention {
             kv: kvf,
@@ -2213,8 +2209,8 @@ fn writes(op: &Op, t: TensorId) -> bool {
 
 /// The linear ops that read `t` after op `at` while its value lives (until an op overwrites it
 /// without reading it), provided every reader is a linear op and none of `inputs` (what `t` was
-/// computed from) changes before the last of them; `None` if `t` has another kind of reader, is
-/// never overwritten in the program (a later submission may read it), or has no reader.
+/// computed from) changes before the last of them; `None` if `t` has another kind of reader, has
+/// no reader, or is never overwritten in the program while `live` says a later reader needs it.
 fn linear_readers(
     ops: &[Op],
     at: usize,

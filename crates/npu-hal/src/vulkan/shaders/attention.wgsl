@@ -148,24 +148,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var t = 0u; t < WG; t++) {
         total += red_l[t];
     }
-    if (SPLITS == 1u) {
-        for (var d = lid; d < HD; d += WG) {
-            var o = 0.0;
-            for (var t = 0u; t < WG; t++) {
-                o += accs[t * (HD + 1u) + d];
-            }
-            out[qrow + d] = o / total;
+    // This split's partial result (SPLITS > 1). An empty range (a short context) leaves
+    // mx = -3e38 and total = 0: weight 0 in the merge.
+    let mine = ((row * pc.q_heads + h) * SPLITS + wg.z) * (HD + 2u);
+    for (var d = lid; d < HD; d += WG) {
+        var o = 0.0;
+        for (var t = 0u; t < WG; t++) {
+            o += accs[t * (HD + 1u) + d];
         }
-    } else {
-        // An empty range (a short context) leaves mx = -3e38 and total = 0: weight 0 below.
-        let mine = ((row * pc.q_heads + h) * SPLITS + wg.z) * (HD + 2u);
-        for (var d = lid; d < HD; d += WG) {
-            var o = 0.0;
-            for (var t = 0u; t < WG; t++) {
-                o += accs[t * (HD + 1u) + d];
-            }
+        if (SPLITS == 1u) {
+            out[qrow + d] = o / total;
+        } else {
             partials[mine + d] = o;
         }
+    }
+    if (SPLITS > 1u) {
         if (lid == 0u) {
             partials[mine + HD] = mx;
             partials[mine + HD + 1u] = total;

@@ -47,12 +47,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                     let w = w4_unpack(raw[u]);
                     for (var t = 0u; t < NT; t++) {
                         if (t < nt) {
+                            // A folded norm's input stage scales by 1 here, by 1 / rms below.
+                            acc[t] += dot(w, load_x(span.x + t0 + t, k4, 1.0));
                             if (IN_MODE == 1u) {
                                 let v = x[(span.x + t0 + t) * k4s + k4];
                                 ss[t] += dot(v, v);
-                                acc[t] += dot(w, v * aux[k4]);
-                            } else {
-                                acc[t] += dot(w, load_x(span.x + t0 + t, k4, 1.0));
                             }
                         }
                     }
