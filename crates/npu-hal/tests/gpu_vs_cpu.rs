@@ -450,15 +450,16 @@ fn mx_weights_match_the_cpu() {
 /// row that differ.
 #[test]
 fn a_long_batch_linear_matches_the_cpu() {
-    let Some(mut gpu) = gpu() else {
-        return;
-    };
     let mut cpu = CpuNpu::new(CpuConfig {
         threads: 2,
         ..CpuConfig::default()
     })
     .expect("cpu");
+    let tokens: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
     let mut failures = Vec::new();
+    let Some(mut gpu) = gpu() else {
+        return;
+    };
     for (storage, norm, rows, cols) in [
         (Storage::Mx(ElemFormat::Fp4E2M1), true, 100, HIDDEN),
         (Storage::Mx(ElemFormat::Fp4E2M1), false, 100, HIDDEN),
@@ -468,72 +469,208 @@ fn a_long_batch_linear_matches_the_cpu() {
         (Storage::Mx(ElemFormat::Fp6E2M3), true, 4100, HIDDEN),
         (Storage::Block(BlockType::Q4_1), false, 4100, HIDDEN),
     ] {
-        let tokens: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
-        let mut outs = Vec::new();
-        for device in [&mut cpu as &mut dyn Device, &mut gpu] {
-            let mut rng = Rng(7);
-            let table = device
-                .load_weight(weight(storage, VOCAB, cols, &mut rng))
-                .expect("table");
-            let gain = device.load_weight(vector(cols, &mut rng)).expect("gain");
-            let w = device
-                .load_weight(weight(storage, rows, cols, &mut rng))
-                .expect("weight");
-            let x = device.create_tensor(cols, MAX_ROWS).expect("x");
-            let xn = device.create_tensor(cols, MAX_ROWS).expect("xn");
-            let y = device.create_tensor(rows, MAX_ROWS).expect("y");
-            let mut ops = vec![Op::Embed { table, out: x }];
-            if norm {
-                ops.push(Op::RmsNorm {
-                    x,
-                    weight: gain,
-                    eps: 1e-5,
-                    out: xn,
-                });
-            }
-            ops.push(Op::Linear {
-                weight: w,
-                x: if norm { xn } else { x },
-                out: y,
-                rows: Rows::All,
-            });
-            submit_without_cache(device, &ops, &tokens).expect("submit");
-            let mut out = vec![0f32; tokens.len() * rows];
-            device
-                .read_tensor(y, 0..tokens.len(), &mut out)
-                .expect("read");
-            outs.push(out);
-        }
-        let want = &outs[0];
+        let want = linear_outputs(&mut cpu, storage, norm, false, rows, cols, &tokens, false);
+        let got = linear_outputs(&mut gpu, storage, norm, false, rows, cols, &tokens, false);
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        {
-            let got = &outs[1];
-            let first_bad = got
-                .iter()
-                .zip(want)
-                .position(|(g, w)| !g.is_finite() || (g - w).abs() > 0.03 * scale);
-            let (max, mean) = if first_bad.is_none() {
-                errors(got, want)
-            } else {
-                (f32::NAN, f32::NAN)
-            };
-            let _ = writeln!(
-                std::io::stderr(),
-                "device-test detail: {storage:?} GEMM, {rows} x {cols} (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
-                gpu.adapter()
-            );
-            if let Some(i) = first_bad {
-                failures.push(format!(
-                    "{storage:?}, {rows} x {cols}: output (token {}, row {}) is {} \
-                     on the GPU, {} on the CPU; {} of {} outputs are not finite",
-                    i / rows,
-                    i % rows,
-                    got[i],
-                    want[i],
-                    got.iter().filter(|v| !v.is_finite()).count(),
-                    got.len()
-                ));
+        let first_bad = got
+            .iter()
+            .zip(&want)
+            .position(|(g, w)| !g.is_finite() || (g - w).abs() > 0.03 * scale);
+        let (max, mean) = if first_bad.is_none() {
+            errors(&got, &want)
+        } else {
+            (f32::NAN, f32::NAN)
+        };
+        let _ = writeln!(
+            std::io::stderr(),
+            "device-test detail: {storage:?} GEMM, {rows} x {cols} (RMSNorm folded in: {norm}) on {}: max error {max:.2e}, mean {mean:.2e} (of max |y|)",
+            gpu.adapter()
+        );
+        if let Some(i) = first_bad {
+            failures.push(format!(
+                "{storage:?}, {rows} x {cols}: output (token {}, row {}) is {} \
+                 on the GPU, {} on the CPU; {} of {} outputs are not finite",
+                i / rows,
+                i % rows,
+                got[i],
+                want[i],
+                got.iter().filter(|v| !v.is_finite()).count(),
+                got.len()
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `y = W x` (or `W rms_norm(x)`; with `residual`, `y = r + W x` for embedded rows `r`, the
+/// residual add folded into the linear layer) for `tokens`, read back: the linear-layer
+/// program of the GEMV and GEMM tests. `readback` puts `y` where the GPU writes logits (host
+/// memory on a discrete GPU).
+#[allow(clippy::too_many_arguments)]
+fn linear_outputs(
+    device: &mut dyn Device,
+    storage: Storage,
+    norm: bool,
+    residual: bool,
+    rows: usize,
+    cols: usize,
+    tokens: &[u32],
+    readback: bool,
+) -> Vec<f32> {
+    let mut rng = Rng(7);
+    let table = device
+        .load_weight(weight(storage, VOCAB, cols, &mut rng))
+        .expect("table");
+    let gain = device.load_weight(vector(cols, &mut rng)).expect("gain");
+    let w = device
+        .load_weight(weight(storage, rows, cols, &mut rng))
+        .expect("weight");
+    let x = device.create_tensor(cols, MAX_ROWS).expect("x");
+    let xn = device.create_tensor(cols, MAX_ROWS).expect("xn");
+    let y = if readback {
+        device.create_readback_tensor(rows, MAX_ROWS)
+    } else {
+        device.create_tensor(rows, MAX_ROWS)
+    }
+    .expect("y");
+    let mut ops = vec![Op::Embed { table, out: x }];
+    if norm {
+        ops.push(Op::RmsNorm {
+            x,
+            weight: gain,
+            eps: 1e-5,
+            out: xn,
+        });
+    }
+    ops.push(Op::Linear {
+        weight: w,
+        x: if norm { xn } else { x },
+        out: y,
+        rows: Rows::All,
+    });
+    let mut result = y;
+    if residual {
+        let residual_table = device
+            .load_weight(weight(Storage::F32, VOCAB, rows, &mut rng))
+            .expect("residual table");
+        let r = device.create_tensor(rows, MAX_ROWS).expect("r");
+        ops.insert(
+            0,
+            Op::Embed {
+                table: residual_table,
+                out: r,
+            },
+        );
+        ops.push(Op::Add { acc: r, x: y });
+        result = r;
+    }
+    submit_without_cache(device, &ops, tokens).expect("submit");
+    let mut out = vec![0f32; tokens.len() * rows];
+    device
+        .read_tensor(result, 0..tokens.len(), &mut out)
+        .expect("read");
+    out
+}
+
+// Every lane count the decode GEMV takes, for one token and a short batch (the kernel's two
+// token widths), on narrow, wide (past the wide-row threshold) and tall (an output head in
+// readback memory) matrices: the tree, the stores and the tall-matrix choice at each width.
+#[test]
+fn every_gemv_lane_count_matches_the_cpu() {
+    let mut cpu = CpuNpu::new(CpuConfig {
+        threads: 2,
+        ..CpuConfig::default()
+    })
+    .expect("cpu");
+    let storage = Storage::Mx(ElemFormat::Fp6E2M3);
+    let shapes = [
+        (true, 100, 160, false),
+        (false, 100, 1120, false),
+        (true, 8200, 160, true),
+    ];
+    let mut failures = Vec::new();
+    for lanes in [8, 16, 32, 64, 128, 256] {
+        let Some(mut gpu) = gpu_with(VulkanConfig {
+            gemv_lanes: Some(lanes),
+            gemv_wide_lanes: Some(lanes),
+            gemv_tall_lanes: Some(lanes),
+            ..VulkanConfig::default()
+        }) else {
+            return;
+        };
+        for tokens in [&[5u32][..], &[5, 17, 60]] {
+            for (norm, rows, cols, readback) in shapes {
+                let want =
+                    linear_outputs(&mut cpu, storage, norm, false, rows, cols, tokens, false);
+                let got =
+                    linear_outputs(&mut gpu, storage, norm, false, rows, cols, tokens, readback);
+                let (max, _) = errors(&got, &want);
+                // As mx_weights_match_the_cpu: the CPU rounds activations to int8.
+                if max > 0.03 {
+                    failures.push(format!(
+                        "{lanes} lanes, {} tokens, {rows} x {cols} (norm {norm}): max error {max}",
+                        tokens.len()
+                    ));
+                }
             }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+// The prefill GEMM split over column ranges (VulkanConfig::gemm_split_groups, forced here:
+// lavapipe never splits by default), with the RMSNorm and the residual add folded in, against
+// the CPU and against the same GPU unsplit, which it matches but for the rounding of the
+// ranges' sums.
+#[test]
+fn a_split_k_gemm_matches_the_cpu() {
+    let mut cpu = CpuNpu::new(CpuConfig {
+        threads: 2,
+        ..CpuConfig::default()
+    })
+    .expect("cpu");
+    let (Some(mut split), Some(mut whole)) = (
+        gpu_with(VulkanConfig {
+            gemm_split_groups: Some(100_000),
+            ..VulkanConfig::default()
+        }),
+        gpu_with(VulkanConfig {
+            gemm_split_groups: Some(0),
+            ..VulkanConfig::default()
+        }),
+    ) else {
+        return;
+    };
+    let tokens: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
+    let mut failures = Vec::new();
+    // 1120 columns: four ranges of 288 (the last 256); 576: two of 288.
+    for (storage, norm, residual, rows, cols) in [
+        (Storage::Mx(ElemFormat::Fp6E2M3), true, false, 100, 1120),
+        (Storage::Mx(ElemFormat::Fp6E2M3), false, true, 576, 576),
+        (Storage::Block(BlockType::Q4_1), true, true, 576, 576),
+        (Storage::F32, false, false, 130, 1120),
+    ] {
+        let args = (storage, norm, residual, rows, cols);
+        let run = |device: &mut dyn Device| {
+            linear_outputs(
+                device, args.0, args.1, args.2, args.3, args.4, &tokens, false,
+            )
+        };
+        let want = run(&mut cpu);
+        let got = run(&mut split);
+        let unsplit = run(&mut whole);
+        let (max, mean) = errors(&got, &want);
+        let (vs_unsplit, _) = errors(&got, &unsplit);
+        let _ = writeln!(
+            std::io::stderr(),
+            "device-test detail: {storage:?} split-K GEMM, {rows} x {cols} (norm {norm}, residual {residual}) on {}: max error {max:.2e}, mean {mean:.2e} against the CPU, {vs_unsplit:.2e} against unsplit",
+            split.adapter()
+        );
+        if max > 0.03 || vs_unsplit > 1e-5 {
+            failures.push(format!(
+                "{storage:?}, {rows} x {cols} (norm {norm}, residual {residual}): max error \
+                 {max} against the CPU, {vs_unsplit} against the unsplit GEMM"
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

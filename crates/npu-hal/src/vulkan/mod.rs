@@ -84,8 +84,8 @@ pub struct VulkanConfig {
     /// Time every dispatch (a timestamp after each, which serialises them): what
     /// [`Device::profile`] reports. Default: on when `NPU_HAL_PROFILE` is set.
     pub profile: bool,
-    /// Invocations per output row in the decode GEMV: 32, 64, 128 or 256 (a workgroup holds
-    /// 256 / `gemv_lanes` rows). More lanes per row leave each invocation fewer dependent
+    /// Invocations per output row in the decode GEMV: 8, 16, 32, 64, 128 or 256 (a workgroup
+    /// holds 256 / `gemv_lanes` rows). More lanes per row leave each invocation fewer dependent
     /// loads, which is what a decode step at SmolLM2's widths waits on. `None` (the default,
     /// unless `NPU_HAL_GEMV_LANES` is set): 64 on a GPU, 32 on a CPU implementation (lavapipe),
     /// the fastest of each measured (README, "Decoder on the GPU").
@@ -96,6 +96,23 @@ pub struct VulkanConfig {
     /// fastest of 64, 128 and 256 on the H200 (README, "Decoder on the GPU"); as `gemv_lanes`
     /// on a CPU implementation.
     pub gemv_wide_lanes: Option<u32>,
+    /// [`VulkanConfig::gemv_lanes`] for matrices of more than 8192 rows (an output head over
+    /// a vocabulary), which fill the GPU with workgroups however few lanes a row takes: fewer
+    /// lanes mean a shorter tree per row and more rows per workgroup, whose results are stored
+    /// as one run of neighbouring values (across the bus, where the head's output is in host
+    /// memory). `None` (the default, unless `NPU_HAL_GEMV_TALL_LANES` is set): 16 on a GPU,
+    /// where 8 and 16 were the fastest of 8, 16, 32 and 64 on the H200 (README, "Decoder on
+    /// the GPU"); as `gemv_lanes` on a CPU implementation.
+    pub gemv_tall_lanes: Option<u32>,
+    /// Workgroups a prefill GEMM aims for. A layer with fewer 64 x 64 tiles than this cuts its
+    /// columns into up to 8 ranges of at least 256 (split-K), one workgroup each per tile, and
+    /// a second pass adds the ranges' sums in order (`shaders/split_reduce.wgsl`): at
+    /// SmolLM2's widths a 512-token prefill has 72 tiles in the output and down projections,
+    /// too few to fill a large GPU, with up to 48 column steps each. 0 never splits. `None`
+    /// (the default, unless `NPU_HAL_GEMM_SPLIT_GROUPS` is set): 528 on a GPU, the fastest of
+    /// 132, 264, 528 and 1056 on the H200; 0 on a CPU implementation, which runs a few
+    /// workgroups at a time anyway (README, "Decoder on the GPU").
+    pub gemm_split_groups: Option<u32>,
     /// Long batches' attention tiled as flash attention (`shaders/attention_tiled.wgsl`: a
     /// workgroup per 32 rows and head reads each key once) rather than a workgroup per row and
     /// head. `None` (the default, unless `NPU_HAL_TILED_ATTENTION` is 0 or 1): on a GPU, not
@@ -141,6 +158,12 @@ impl Default for VulkanConfig {
                 .ok()
                 .and_then(|v| v.parse().ok()),
             gemv_wide_lanes: std::env::var("NPU_HAL_GEMV_WIDE_LANES")
+                .ok()
+                .and_then(|v| v.parse().ok()),
+            gemv_tall_lanes: std::env::var("NPU_HAL_GEMV_TALL_LANES")
+                .ok()
+                .and_then(|v| v.parse().ok()),
+            gemm_split_groups: std::env::var("NPU_HAL_GEMM_SPLIT_GROUPS")
                 .ok()
                 .and_then(|v| v.parse().ok()),
             tiled_attention: match std::env::var("NPU_HAL_TILED_ATTENTION").as_deref() {
@@ -296,12 +319,23 @@ enum Grid {
 /// [`VulkanConfig::gemv_lanes`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
 const GPU_GEMV_LANES: u32 = 64;
 const CPU_GEMV_LANES: u32 = 32;
-/// [`VulkanConfig::gemv_wide_lanes`]'s default on a GPU (on a CPU implementation: as
-/// `gemv_lanes`).
+/// [`VulkanConfig::gemv_wide_lanes`]'s and [`VulkanConfig::gemv_tall_lanes`]'s defaults on
+/// a GPU (on a CPU implementation: as `gemv_lanes`).
 const GPU_GEMV_WIDE_LANES: u32 = 256;
+const GPU_GEMV_TALL_LANES: u32 = 16;
 
 /// Rows wider than this take [`VulkanConfig::gemv_wide_lanes`].
 const WIDE_GEMV_COLS: u32 = 1024;
+/// Matrices of more rows than this take [`VulkanConfig::gemv_tall_lanes`].
+const TALL_GEMV_ROWS: u32 = 8192;
+
+/// [`VulkanConfig::gemm_split_groups`]'s default on a GPU; the most column ranges a split-K
+/// GEMM takes, and the fewest columns each.
+const GPU_GEMM_SPLIT_GROUPS: u32 = 528;
+const MAX_SPLIT_K: u32 = 8;
+const MIN_SPLIT_COLS: u32 = 256;
+/// The prefill GEMM's tile, rows x tokens (`shaders/linear_gemm.wgsl`).
+const GEMM_TILE: u32 = 64;
 
 /// [`VulkanConfig::attention_splits`]'s defaults: on a GPU, and on a CPU implementation of
 /// Vulkan; and the most it takes.
@@ -325,6 +359,32 @@ struct Dispatch {
     push: [u8; PUSH_BYTES as usize],
     reads: Vec<Resource>,
     writes: Vec<Resource>,
+    /// A linear layer's split-K form, for shapes whose GEMM takes it.
+    split_k: Option<SplitK>,
+}
+
+/// How a linear layer's GEMM runs split over column ranges ([`VulkanConfig::gemm_split_groups`]):
+/// the GEMM into `scratch` (set `gemm`), then the sum into the layer's output (set `reduce`).
+#[derive(Clone, Copy, Debug)]
+struct SplitK {
+    gemm: vk::DescriptorSet,
+    reduce: vk::DescriptorSet,
+    scratch: TensorId,
+    /// The most ranges the scratch holds.
+    max_splits: u32,
+    rows: u32,
+    cols: u32,
+    accumulate: bool,
+}
+
+/// Column ranges for a GEMM of `cols` columns whose grid has `tiles` workgroups, aiming at
+/// `target` workgroups in all, at most `max` (1: no split).
+fn split_ranges(tiles: u32, target: u32, max: u32, cols: u32) -> u32 {
+    target
+        .div_ceil(tiles.max(1))
+        .min(max)
+        .min(cols / MIN_SPLIT_COLS)
+        .max(1)
 }
 
 /// Step-buffer layout: header words, then token ids, KV slots and the block table.
@@ -457,9 +517,20 @@ pub struct VulkanNpu {
     pending_times: Mutex<Vec<Pending>>,
     /// Per-dispatch timestamps ([`VulkanConfig::profile`]).
     profile: bool,
-    /// [`VulkanConfig::gemv_lanes`] and [`VulkanConfig::gemv_wide_lanes`].
+    /// [`VulkanConfig::gemv_lanes`], [`VulkanConfig::gemv_wide_lanes`] and
+    /// [`VulkanConfig::gemv_tall_lanes`].
     gemv_lanes: u32,
     gemv_wide_lanes: u32,
+    gemv_tall_lanes: u32,
+    /// [`VulkanConfig::gemm_split_groups`].
+    gemm_split_groups: u32,
+    /// Split-K partial sums, by (rows, max rows, slot): shared by the linear layers of that
+    /// shape and slot, whose dispatches the hazard tracking orders. Linear layers in a row
+    /// (Q, K and V; gate and up), which run side by side, take slots 0, 1, ... so that none
+    /// waits for another's scratch.
+    split_scratch: HashMap<(usize, usize, usize), TensorId>,
+    /// The next slot per shape in the current run of linear layers (planning state).
+    split_slots: HashMap<(usize, usize), usize>,
     /// [`VulkanConfig::tiled_attention`].
     tiled_attention: bool,
     /// [`VulkanConfig::attention_splits`].
@@ -500,6 +571,7 @@ impl VulkanNpu {
         for (lanes, var) in [
             (config.gemv_lanes, "NPU_HAL_GEMV_LANES"),
             (config.gemv_wide_lanes, "NPU_HAL_GEMV_WIDE_LANES"),
+            (config.gemv_tall_lanes, "NPU_HAL_GEMV_TALL_LANES"),
         ] {
             if let Some(lanes) = lanes.filter(|l| !shaders::GEMV_LANES.contains(l)) {
                 return Err(Error::Unsupported {
@@ -612,6 +684,13 @@ impl VulkanNpu {
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
             tiled_attention: config.tiled_attention.unwrap_or(!ctx.adapter.is_cpu()),
+            gemm_split_groups: config.gemm_split_groups.unwrap_or(if ctx.adapter.is_cpu() {
+                0
+            } else {
+                GPU_GEMM_SPLIT_GROUPS
+            }),
+            split_scratch: HashMap::new(),
+            split_slots: HashMap::new(),
             attention_splits: config
                 .attention_splits
                 .unwrap_or(if ctx.adapter.is_cpu() {
@@ -625,6 +704,11 @@ impl VulkanNpu {
                 gemv_lanes
             } else {
                 GPU_GEMV_WIDE_LANES
+            }),
+            gemv_tall_lanes: config.gemv_tall_lanes.unwrap_or(if ctx.adapter.is_cpu() {
+                gemv_lanes
+            } else {
+                GPU_GEMV_TALL_LANES
             }),
             kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
@@ -1090,8 +1174,9 @@ impl VulkanNpu {
             p.stats = Some((self.ctx.buffer(bytes as u64, Memory::Readback)?, keys));
         }
         p.splits = self.split_buffers(p, stats)?;
-        // Two dispatches at most per op, eleven bindings at most per dispatch (the attention's).
-        let sets = 2 * p.ops.len() as u32;
+        // Four descriptor sets at most per op (a linear layer's rotation, its own, and its
+        // split-K pair), eleven bindings at most per set (the attention's).
+        let sets = 4 * p.ops.len() as u32;
         let sizes = [vk::DescriptorPoolSize::default()
             .ty(vk::DescriptorType::STORAGE_BUFFER)
             .descriptor_count(sets * 11)];
@@ -1271,6 +1356,7 @@ impl VulkanNpu {
         let tensor = |id: TensorId| self.tensors[id.0 as usize].buffer.raw;
         let selected = rows == Rows::Selected;
         let (format, r, cols) = (*format, *r as u32, *cols as u32);
+        let (codes, scales) = (codes.raw, scales.raw);
         let step = p.step.raw;
         let y = accumulate.unwrap_or(out);
         let mut reads = vec![Resource::Tensor(x.0)];
@@ -1296,12 +1382,13 @@ impl VulkanNpu {
             reads.push(Resource::Tensor(y.0));
         }
         let push = push_words(&[r, cols, u32::from(selected), eps.to_bits()]);
-        let bufs = [step, codes.raw, scales.raw, x_buf, tensor(y), aux];
+        let bufs = [step, codes, scales, x_buf, tensor(y), aux];
         // Every linear kernel has one binding layout: the set serves whichever the shape picks.
         let kernel = Kernel::Gemm {
             format,
             input: kind,
             accumulate: accumulate.is_some(),
+            split_k: false,
         };
         self.push_dispatch(
             p,
@@ -1314,6 +1401,8 @@ impl VulkanNpu {
                 accumulate: accumulate.is_some(),
                 lanes: if cols > WIDE_GEMV_COLS {
                     self.gemv_wide_lanes
+                } else if r > TALL_GEMV_ROWS {
+                    self.gemv_tall_lanes
                 } else {
                     self.gemv_lanes
                 },
@@ -1323,6 +1412,56 @@ impl VulkanNpu {
             reads,
             vec![Resource::Tensor(y.0)],
         )?;
+        // The split-K form, where a one-token-tile GEMM (the fewest tiles) would split.
+        let y_rows = self.tensors[y.0 as usize].max_rows;
+        let max_splits = split_ranges(
+            r.div_ceil(GEMM_TILE),
+            self.gemm_split_groups,
+            MAX_SPLIT_K,
+            cols,
+        );
+        if max_splits > 1 {
+            let shape = (r as usize, max_splits as usize * y_rows);
+            let slot = self.split_slots.entry(shape).or_insert(0);
+            let key = (shape.0, shape.1, *slot);
+            *slot += 1;
+            let scratch = match self.split_scratch.get(&key) {
+                Some(&t) => t,
+                None => {
+                    let t = self.create_tensor(key.0, key.1)?;
+                    self.split_scratch.insert(key, t);
+                    t
+                }
+            };
+            let scratch_buf = self.tensors[scratch.0 as usize].buffer.raw;
+            let gemm_bufs = [step, codes, scales, x_buf, scratch_buf, aux];
+            let gemm = self.descriptor_set(
+                p.pool,
+                Kernel::Gemm {
+                    format,
+                    input: kind,
+                    accumulate: false,
+                    split_k: true,
+                },
+                &gemm_bufs,
+            )?;
+            let reduce = self.descriptor_set(
+                p.pool,
+                Kernel::SplitReduce {
+                    accumulate: accumulate.is_some(),
+                },
+                &[step, scratch_buf, self.tensors[y.0 as usize].buffer.raw],
+            )?;
+            p.dispatches.last_mut().expect("pushed above").split_k = Some(SplitK {
+                gemm,
+                reduce,
+                scratch,
+                max_splits,
+                rows: r,
+                cols,
+                accumulate: accumulate.is_some(),
+            });
+        }
         Ok(())
     }
 
@@ -1693,6 +1832,10 @@ impl VulkanNpu {
         reads: Vec<Resource>,
         writes: Vec<Resource>,
     ) -> Result<(), Error> {
+        if !matches!(kernel, Kernel::Gemm { .. }) {
+            // Any other dispatch ends a run of linear layers.
+            self.split_slots.clear();
+        }
         let set = self.descriptor_set(p.pool, kernel, buffers)?;
         p.dispatches.push(Dispatch {
             kernel,
@@ -1701,6 +1844,7 @@ impl VulkanNpu {
             push,
             reads,
             writes,
+            split_k: None,
         });
         Ok(())
     }
@@ -1841,8 +1985,10 @@ impl VulkanNpu {
         let mut read: Vec<Resource> = Vec::new();
         let mut bound = vk::Pipeline::null();
         let count = self.programs[pi].dispatches.len();
+        let profiling = !r.kernels.is_empty();
+        let mut pending: Vec<PendingSum> = Vec::new();
         for i in 0..count {
-            let (kernel, grid, set, push, reads, writes) = {
+            let (kernel, grid, set, push, reads, writes, split_k) = {
                 let x = &self.programs[pi].dispatches[i];
                 (
                     x.kernel,
@@ -1853,6 +1999,7 @@ impl VulkanNpu {
                     x.push,
                     x.reads.clone(),
                     x.writes.clone(),
+                    x.split_k,
                 )
             };
             let (kernel, groups) = shape_of(kernel, grid, tokens, selected);
@@ -1868,43 +2015,85 @@ impl VulkanNpu {
             {
                 reads.push(Resource::Kv);
             }
-            let hazard = reads.iter().chain(&writes).any(|r| written.contains(r))
-                || writes.iter().any(|w| read.contains(w));
-            if hazard {
-                compute_barrier(&d, cb);
-                written.clear();
-                read.clear();
-            }
-            written.extend(&writes);
-            read.extend(&reads);
-            let pipeline = self.pipelines.get(&self.ctx, kernel)?;
-            // Recording into `cb` below: the pipeline, its layout and the set (allocated with
-            // that layout, every binding written) are live; the push range fits the layout; the
-            // grid is within the adapter's limits (checked when the program was built).
-            if pipeline.pipeline != bound {
-                // SAFETY: see above.
-                unsafe {
-                    d.cmd_bind_pipeline(cb, vk::PipelineBindPoint::COMPUTE, pipeline.pipeline)
+            let mut emit = Emit {
+                d: &d,
+                cb,
+                written: &mut written,
+                read: &mut read,
+                bound: &mut bound,
+            };
+            // Split-K sums wait until a dispatch other than a split GEMM that needs nothing of
+            // theirs, so the GEMMs of a run of linear layers share one level and their sums the
+            // next (each dispatch is timed alone when profiling).
+            let conflicts = |p: &PendingSum, reads: &[Resource], writes: &[Resource]| {
+                reads.iter().chain(writes).any(|r| p.writes.contains(r))
+                    || writes.iter().any(|w| p.reads.contains(w))
+            };
+            // A GEMM with too few tiles to fill the GPU runs split over column ranges, then
+            // the sum of the ranges (VulkanConfig::gemm_split_groups).
+            let split = match (kernel, split_k) {
+                (Kernel::Gemm { format, input, .. }, Some(sk)) => {
+                    let tiles = groups[0] * groups[1];
+                    let n = split_ranges(tiles, self.gemm_split_groups, sk.max_splits, sk.cols);
+                    (n > 1).then_some((format, input, sk, n))
+                }
+                _ => None,
+            };
+            if let Some((format, input, sk, n)) = split {
+                let gemm = self.pipelines.get(
+                    &self.ctx,
+                    Kernel::Gemm {
+                        format,
+                        input,
+                        accumulate: false,
+                        split_k: true,
+                    },
+                )?;
+                let scratch = vec![Resource::Tensor(sk.scratch.0)];
+                // Every Emit call below is sound because `cb` is begun above; pipelines come
+                // from `self.pipelines` and sets from the program's pool, made with the kernel's
+                // layout (the split-K sets in `add_linear`); grids were checked when the program
+                // was built; reads and writes are the dispatch's own, the scratch included.
+                if profiling || pending.iter().any(|p| conflicts(p, &reads, &scratch)) {
+                    // SAFETY: see above.
+                    unsafe { emit.flush(&mut pending) };
+                }
+                let split_groups = [groups[0], groups[1], n];
+                // SAFETY: as above.
+                unsafe { emit.dispatch(gemm, sk.gemm, &push, split_groups, &reads, &scratch) };
+                let reduce = self.pipelines.get(
+                    &self.ctx,
+                    Kernel::SplitReduce {
+                        accumulate: sk.accumulate,
+                    },
+                )?;
+                let Grid::Linear { selected: sel, .. } = grid else {
+                    unreachable!("only linear dispatches have a split-K form");
                 };
-                bound = pipeline.pipeline;
+                let m = if sel { selected } else { tokens } as u32;
+                let mut reduce_reads = scratch;
+                if sk.accumulate {
+                    reduce_reads.extend(&writes);
+                }
+                pending.push(PendingSum {
+                    pipeline: reduce,
+                    set: sk.reduce,
+                    push: push_words(&[sk.rows, n, u32::from(sel)]),
+                    groups: [sk.rows.div_ceil(256), m, 1],
+                    reads: reduce_reads,
+                    writes,
+                });
+                if profiling {
+                    // SAFETY: as above.
+                    unsafe { emit.flush(&mut pending) };
+                }
+            } else {
+                // SAFETY: as above.
+                unsafe { emit.flush(&mut pending) };
+                let pipeline = self.pipelines.get(&self.ctx, kernel)?;
+                // SAFETY: as above.
+                unsafe { emit.dispatch(pipeline, set, &push, groups, &reads, &writes) };
             }
-            // SAFETY: see above.
-            unsafe {
-                d.cmd_bind_descriptor_sets(
-                    cb,
-                    vk::PipelineBindPoint::COMPUTE,
-                    pipeline.layout,
-                    0,
-                    &[set],
-                    &[],
-                )
-            };
-            // SAFETY: see above.
-            unsafe {
-                d.cmd_push_constants(cb, pipeline.layout, vk::ShaderStageFlags::COMPUTE, 0, &push)
-            };
-            // SAFETY: see above.
-            unsafe { d.cmd_dispatch(cb, groups[0], groups[1], groups[2]) };
             if let (Some(pool), false) = (r.timestamps, r.kernels.is_empty()) {
                 // SAFETY: recording; query i + 1 of a pool of one per dispatch plus two.
                 unsafe {
@@ -1917,6 +2106,15 @@ impl VulkanNpu {
                 };
             }
         }
+        let mut emit = Emit {
+            d: &d,
+            cb,
+            written: &mut written,
+            read: &mut read,
+            bound: &mut bound,
+        };
+        // SAFETY: as for the Emit calls in the loop.
+        unsafe { emit.flush(&mut pending) };
         // Results are visible to whatever follows: copies, the host, the next submission.
         full_barrier(&d, cb);
         if let Some(pool) = r.timestamps {
@@ -2076,6 +2274,88 @@ fn same_device(t: &dyn Timeline, device: vk::Device) -> Option<&VulkanTimeline> 
     }
 }
 
+/// Records dispatches into a program's command buffer, with a barrier before any that reads or
+/// writes what an earlier one since the last barrier wrote, or writes what one read.
+struct Emit<'a> {
+    d: &'a ash::Device,
+    cb: vk::CommandBuffer,
+    written: &'a mut Vec<Resource>,
+    read: &'a mut Vec<Resource>,
+    bound: &'a mut vk::Pipeline,
+}
+
+/// A split-K sum not yet recorded ([`Emit::flush`]).
+struct PendingSum {
+    pipeline: shaders::Pipeline,
+    set: vk::DescriptorSet,
+    push: [u8; PUSH_BYTES as usize],
+    groups: [u32; 3],
+    reads: Vec<Resource>,
+    writes: Vec<Resource>,
+}
+
+impl Emit<'_> {
+    /// Records the pending dispatches, in order.
+    ///
+    /// # Safety
+    /// As [`Emit::dispatch`], for each.
+    unsafe fn flush(&mut self, pending: &mut Vec<PendingSum>) {
+        for p in pending.drain(..) {
+            // SAFETY: the caller's contract, for each pending dispatch.
+            unsafe { self.dispatch(p.pipeline, p.set, &p.push, p.groups, &p.reads, &p.writes) };
+        }
+    }
+
+    /// # Safety
+    /// `cb` is begun; `pipeline`, its layout and `set` (allocated with that layout, every
+    /// binding written) are live objects of the device; `groups` is within the adapter's
+    /// limits; `reads` and `writes` name every resource the dispatch touches.
+    unsafe fn dispatch(
+        &mut self,
+        pipeline: shaders::Pipeline,
+        set: vk::DescriptorSet,
+        push: &[u8; PUSH_BYTES as usize],
+        groups: [u32; 3],
+        reads: &[Resource],
+        writes: &[Resource],
+    ) {
+        let (d, cb) = (self.d, self.cb);
+        let hazard = reads.iter().chain(writes).any(|r| self.written.contains(r))
+            || writes.iter().any(|w| self.read.contains(w));
+        if hazard {
+            compute_barrier(d, cb);
+            self.written.clear();
+            self.read.clear();
+        }
+        self.written.extend(writes);
+        self.read.extend(reads);
+        // Every layout takes PUSH_BYTES of push constants, so `push` fits; the rest is the
+        // caller's contract.
+        if pipeline.pipeline != *self.bound {
+            // SAFETY: see above.
+            unsafe { d.cmd_bind_pipeline(cb, vk::PipelineBindPoint::COMPUTE, pipeline.pipeline) };
+            *self.bound = pipeline.pipeline;
+        }
+        // SAFETY: see above.
+        unsafe {
+            d.cmd_bind_descriptor_sets(
+                cb,
+                vk::PipelineBindPoint::COMPUTE,
+                pipeline.layout,
+                0,
+                &[set],
+                &[],
+            )
+        };
+        // SAFETY: see above.
+        unsafe {
+            d.cmd_push_constants(cb, pipeline.layout, vk::ShaderStageFlags::COMPUTE, 0, push)
+        };
+        // SAFETY: see above.
+        unsafe { d.cmd_dispatch(cb, groups[0], groups[1], groups[2]) };
+    }
+}
+
 /// The kernel and workgroup counts of a dispatch for batch shape (tokens, selected rows).
 fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kernel, [u32; 3]) {
     let n = tokens as u32;
@@ -2124,8 +2404,9 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
                         format,
                         input,
                         accumulate,
+                        split_k: false,
                     },
-                    [rows.div_ceil(64), m.div_ceil(64), 1],
+                    [rows.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), 1],
                 ),
             }
         }

@@ -17,12 +17,13 @@ use crate::Error;
 
 const COMMON: &str = include_str!("shaders/common.wgsl");
 /// Invocations per output row the GEMV kernel can take ([`crate::VulkanConfig::gemv_lanes`]).
-pub(crate) const GEMV_LANES: [u32; 4] = [32, 64, 128, 256];
+pub(crate) const GEMV_LANES: [u32; 6] = [8, 16, 32, 64, 128, 256];
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
 const LINEAR_IO: &str = include_str!("shaders/linear_io.wgsl");
 const GEMV: &str = include_str!("shaders/linear_gemv.wgsl");
 const GEMM: &str = include_str!("shaders/linear_gemm.wgsl");
+const SPLIT_REDUCE: &str = include_str!("shaders/split_reduce.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
 const ROPE: &str = include_str!("shaders/rope.wgsl");
@@ -129,10 +130,17 @@ pub(crate) enum Kernel {
         input: LinearInput,
         accumulate: bool,
     },
-    /// A GEMM tiled 64 rows x 64 tokens (`shaders/linear_gemm.wgsl`).
+    /// A GEMM tiled 64 rows x 64 tokens (`shaders/linear_gemm.wgsl`); `split_k` stores each
+    /// column range's raw sums for [`Kernel::SplitReduce`] instead of the output.
     Gemm {
         format: WeightFormat,
         input: LinearInput,
+        accumulate: bool,
+        split_k: bool,
+    },
+    /// The sum of a split-K GEMM's partial sums, stored or added (`accumulate`) to the output
+    /// (`shaders/split_reduce.wgsl`).
+    SplitReduce {
         accumulate: bool,
     },
     Embed {
@@ -203,7 +211,7 @@ impl Kernel {
     /// Storage buffers the kernel binds (0 is always the step buffer).
     pub(crate) fn bindings(self) -> u32 {
         match self {
-            Kernel::Rope => 3,
+            Kernel::Rope | Kernel::SplitReduce { .. } => 3,
             Kernel::RmsNorm | Kernel::Add | Kernel::SwiGlu => 4,
             Kernel::Embed { .. } | Kernel::KvWrite { .. } => 5,
             // The attention variants of one dispatch share its descriptor set: binding 8 is
@@ -249,10 +257,19 @@ impl Kernel {
                 format,
                 input,
                 accumulate,
+                split_k,
             } => {
+                s.push_str(&format!("const SPLIT_K: u32 = {}u;\n", u32::from(split_k)));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMM);
+            }
+            Kernel::SplitReduce { accumulate } => {
+                s.push_str(&format!(
+                    "const OUT_ACC: u32 = {}u;\n",
+                    u32::from(accumulate)
+                ));
+                s.push_str(SPLIT_REDUCE);
             }
             Kernel::Embed { format } => {
                 weights(&mut s, format);
@@ -552,7 +569,14 @@ mod tests {
     /// Every variant the backend can ask for parses, validates and compiles.
     #[test]
     fn every_kernel_variant_compiles() {
-        let mut kernels = vec![Kernel::RmsNorm, Kernel::Add, Kernel::SwiGlu, Kernel::Rope];
+        let mut kernels = vec![
+            Kernel::RmsNorm,
+            Kernel::Add,
+            Kernel::SwiGlu,
+            Kernel::Rope,
+            Kernel::SplitReduce { accumulate: false },
+            Kernel::SplitReduce { accumulate: true },
+        ];
         let formats = ElemFormat::ALL.into_iter().map(WeightFormat::Mx).chain([
             WeightFormat::F32,
             WeightFormat::F16,
@@ -575,11 +599,12 @@ mod tests {
                             accumulate,
                         }));
                     }
-                    kernels.push(Kernel::Gemm {
+                    kernels.extend([false, true].map(|split_k| Kernel::Gemm {
                         format,
                         input,
                         accumulate,
-                    });
+                        split_k,
+                    }));
                 }
             }
         }

@@ -1,6 +1,12 @@
 // y[t][row] = sum_k W[row][k] x[t][k] for prefill batches: 64 rows x 64 tokens per workgroup,
 // 32 columns per step staged in workgroup memory (the weights decoded once per tile), 4 x 4
-// outputs per invocation. The module declares W_FORMAT and the linear_io.wgsl constants.
+// outputs per invocation. The module declares W_FORMAT, SPLIT_K and the linear_io.wgsl
+// constants.
+//
+// Split-K (SPLIT_K 1): the grid's z dimension cuts the columns into that many ranges of whole
+// BK steps, one workgroup each, for layers whose tiles are too few to fill the GPU. Each
+// stores its raw sums to y laid out [z][token][row] (a scratch tensor), and split_reduce.wgsl
+// adds them up (and does the output stage) in a second pass, in a fixed order.
 const BM: u32 = 64u;
 const BN: u32 = 64u;
 const BK: u32 = 32u;
@@ -12,7 +18,11 @@ var<workgroup> sq: array<f32, 256>;
 var<workgroup> inv_s: array<f32, 64>;
 
 @compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) groups: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
     let span = step_linear_rows(pc.selected);
     let row0 = wg.x * BM;
     let tok0 = wg.y * BN;
@@ -37,7 +47,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let tr = lid % 16u;
     let tt = lid / 16u;
     var acc: array<vec4<f32>, 4>;
-    for (var k0 = 0u; k0 < pc.cols; k0 += BK) {
+    // This workgroup's columns: all of them, or its split's share.
+    let per = ((pc.cols + groups.z - 1u) / groups.z + BK - 1u) / BK * BK;
+    let k_lo = min(pc.cols, wg.z * per);
+    let k_hi = min(pc.cols, k_lo + per);
+    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
         for (var i = 0u; i < 2u; i++) {
             let idx = lid + i * 256u;
             let r = idx / 8u;
@@ -77,7 +91,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         for (var j = 0u; j < 4u; j++) {
             let t = tok0 + tt * 4u + j;
             if (row < pc.rows && t < span.y) {
-                store_y(t * pc.rows + row, acc[i][j]);
+                if (SPLIT_K != 0u) {
+                    y[(wg.z * span.y + t) * pc.rows + row] = acc[i][j];
+                } else {
+                    store_y(t * pc.rows + row, acc[i][j]);
+                }
             }
         }
     }

@@ -78,11 +78,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         workgroupBarrier();
     }
-    if (lane < nt && row < pc.rows) {
-        var sum = red[(local_row * NT + lane) * LANES];
-        if (IN_MODE == 1u) {
-            sum /= sqrt(red_ss[lane * LANES] / f32(pc.cols) + pc.eps);
+    // The workgroup's first invocations store its results, neighbouring rows from
+    // neighbouring invocations, so each token's outputs go out as one run of values.
+    if (lid < ROWS_PER_WG * nt) {
+        let t = lid / ROWS_PER_WG;
+        let r = lid % ROWS_PER_WG;
+        let out_row = wg.x * ROWS_PER_WG + r;
+        if (out_row < pc.rows) {
+            var sum = red[(r * NT + t) * LANES];
+            if (IN_MODE == 1u) {
+                sum /= sqrt(red_ss[t * LANES] / f32(pc.cols) + pc.eps);
+            }
+            store_y((t0 + t) * pc.rows + out_row, sum);
         }
-        store_y((t0 + lane) * pc.rows + row, sum);
     }
 }
