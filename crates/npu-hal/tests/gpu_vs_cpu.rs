@@ -676,6 +676,37 @@ fn a_split_k_gemm_matches_the_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+// The host's ways of waiting change when it wakes, never what it reads: the same program
+// gives the same logits, bit for bit, blocking, spinning and napping (whose estimates are
+// warm after the first runs of each command buffer).
+#[test]
+fn every_host_wait_reads_the_same_logits() {
+    let mut outs = Vec::new();
+    for host_wait in [HostWait::Block, HostWait::Spin, HostWait::Nap] {
+        let Some(mut gpu) = gpu_with(VulkanConfig {
+            host_wait,
+            ..VulkanConfig::default()
+        }) else {
+            return;
+        };
+        let model = load(&mut gpu, Storage::Mx(ElemFormat::Fp6E2M3), 42);
+        let mut kv = kv_cache(PageDtype::F16);
+        let _ = run(&mut gpu, &model, &mut kv, &chunks(), None);
+        let mut kv = kv_cache(PageDtype::F16);
+        outs.push((host_wait, run(&mut gpu, &model, &mut kv, &chunks(), None)));
+    }
+    for (mode, logits) in &outs[1..] {
+        assert!(
+            logits
+                .iter()
+                .zip(&outs[0].1)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{mode:?} read other logits than {:?}",
+            outs[0].0
+        );
+    }
+}
+
 #[test]
 fn block_rotated_mx_weights_match_the_cpu() {
     for f in [ElemFormat::Fp4E2M1, ElemFormat::Int8] {

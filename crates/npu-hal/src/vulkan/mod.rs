@@ -42,7 +42,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ash::vk;
 use kv_paged::{KvCache, KvLayout};
@@ -127,7 +127,7 @@ pub struct VulkanConfig {
     /// keeps statistics for KV pruning is never split.
     pub attention_splits: Option<u32>,
     /// How the host waits for results. Default: [`HostWait::Block`], unless
-    /// `NPU_HAL_HOST_WAIT=spin`.
+    /// `NPU_HAL_HOST_WAIT` is `spin` or `nap`.
     pub host_wait: HostWait,
 }
 
@@ -143,7 +143,17 @@ pub enum HostWait {
     /// H200 a decode step of a SmolLM2-135M-shaped model took 1124-1157 us against 1197-1224 us blocking (README,
     /// "Decoder on the GPU"); worth it where a core is to spare and latency is what counts.
     Spin,
+    /// Sleeps through the part of the run that earlier runs of the same recorded command buffer
+    /// say is left, less 100 us, then polls: about the spinning wait's latency, with the
+    /// core free for most of the run. A run that ends before the thread wakes shortens the
+    /// estimate, one that is polled for lengthens it; the first run of a command buffer is
+    /// polled for throughout.
+    Nap,
 }
+
+/// How early [`HostWait::Nap`] wakes before the estimated end of a run: enough for a sleep's
+/// overshoot (Linux's default timer slack is 50 us) and the run-to-run spread of a decode step.
+const NAP_MARGIN: Duration = Duration::from_micros(100);
 
 impl Default for VulkanConfig {
     fn default() -> Self {
@@ -176,6 +186,7 @@ impl Default for VulkanConfig {
                 .and_then(|v| v.parse().ok()),
             host_wait: match std::env::var("NPU_HAL_HOST_WAIT").as_deref() {
                 Ok("spin") => HostWait::Spin,
+                Ok("nap") => HostWait::Nap,
                 _ => HostWait::Block,
             },
         }
@@ -460,6 +471,8 @@ struct Recorded {
 struct Queue {
     raw: vk::Queue,
     last: u64,
+    /// The command buffer behind `last` and when it was submitted ([`HostWait::Nap`]).
+    last_run: Option<(vk::CommandBuffer, Instant)>,
 }
 
 /// One-shot transfers (uploads, readbacks), from `&self` as well as `&mut self`.
@@ -540,6 +553,8 @@ pub struct VulkanNpu {
     wait_timeout: Duration,
     /// [`VulkanConfig::host_wait`].
     host_wait: HostWait,
+    /// [`HostWait::Nap`]'s estimate of each command buffer's run, submission to completion.
+    run_estimates: Mutex<HashMap<vk::CommandBuffer, Duration>>,
     readback_ledger: Arc<uvm_alloc::StageCopies>,
     /// Unified buffers read in place by the embedding kernel, oldest first.
     splice_imports: Vec<SpliceImport>,
@@ -679,7 +694,9 @@ impl VulkanNpu {
             queue: Mutex::new(Queue {
                 raw: ctx.queue(),
                 last: 0,
+                last_run: None,
             }),
+            run_estimates: Mutex::new(HashMap::new()),
             timestamps,
             pending_times: Mutex::new(Vec::new()),
             profile: config.profile,
@@ -826,6 +843,7 @@ impl VulkanNpu {
         }
         .map_err(vk_err("vkQueueSubmit"))?;
         q.last = value;
+        q.last_run = Some((commands, Instant::now()));
         Ok(value)
     }
 
@@ -835,21 +853,57 @@ impl VulkanNpu {
             return Ok(());
         }
         self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
-        if self.host_wait == HostWait::Spin {
-            let start = std::time::Instant::now();
-            while self.completion.value()? < value {
-                if start.elapsed() > self.wait_timeout {
-                    return Err(Error::Timeline(sync_timeline::Error::Timeout {
-                        wanted: value,
-                        reached: self.completion.value()?,
-                        timeout: self.wait_timeout,
-                    }));
-                }
-                std::hint::spin_loop();
-            }
-            return Ok(());
+        match self.host_wait {
+            HostWait::Block => self.completion.wait(value, self.wait_timeout)?,
+            HostWait::Spin => self.spin_until(value, Instant::now())?,
+            HostWait::Nap => self.nap_until(value)?,
         }
-        self.completion.wait(value, self.wait_timeout)?;
+        Ok(())
+    }
+
+    /// Polls the completion timeline until it reaches `value`, for at most the wait timeout
+    /// from `start`.
+    fn spin_until(&self, value: u64, start: Instant) -> Result<(), Error> {
+        while self.completion.value()? < value {
+            if start.elapsed() > self.wait_timeout {
+                return Err(Error::Timeline(sync_timeline::Error::Timeout {
+                    wanted: value,
+                    reached: self.completion.value()?,
+                    timeout: self.wait_timeout,
+                }));
+            }
+            std::hint::spin_loop();
+        }
+        Ok(())
+    }
+
+    /// [`HostWait::Nap`]: sleeps until shortly before the run behind `value` is estimated to
+    /// end, then polls; updates the estimate.
+    fn nap_until(&self, value: u64) -> Result<(), Error> {
+        let start = Instant::now();
+        let run = {
+            let q = self.lock_queue();
+            q.last_run.filter(|_| q.last == value)
+        };
+        let Some((commands, submitted)) = run else {
+            // Not the latest submission: no estimate applies.
+            return self.spin_until(value, start);
+        };
+        let lock = || self.run_estimates.lock().unwrap_or_else(|p| p.into_inner());
+        let estimate = lock().get(&commands).copied().unwrap_or(Duration::ZERO);
+        let wake = submitted + estimate.saturating_sub(NAP_MARGIN);
+        if let Some(nap) = wake.checked_duration_since(Instant::now()) {
+            std::thread::sleep(nap.min(self.wait_timeout));
+        }
+        let next = if self.completion.value()? >= value {
+            // Woke after the end: the run took less than the estimate, by an unknown amount.
+            estimate * 7 / 8
+        } else {
+            self.spin_until(value, start)?;
+            // Polled to the end: this run's length is known (to the poll's resolution).
+            (estimate * 3 + submitted.elapsed()) / 4
+        };
+        lock().insert(commands, next);
         Ok(())
     }
 
@@ -2133,6 +2187,10 @@ impl VulkanNpu {
     }
 
     fn destroy_recorded(&self, r: Recorded) {
+        self.run_estimates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&r.commands);
         // SAFETY: the buffer is from the program pool and not pending (callers wait first).
         unsafe {
             self.ctx
