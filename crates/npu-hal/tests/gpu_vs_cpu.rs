@@ -338,7 +338,7 @@ fn gpu() -> Option<VulkanNpu> {
     gpu_with(VulkanConfig {
         tiled_attention: Some(true),
         attention_splits: Some(4),
-        host_wait: HostWait::Spin,
+        host_wait: Some(HostWait::Spin),
         ..VulkanConfig::default()
     })
 }
@@ -684,7 +684,7 @@ fn every_host_wait_reads_the_same_logits() {
     let mut outs = Vec::new();
     for host_wait in [HostWait::Block, HostWait::Spin, HostWait::Nap] {
         let Some(mut gpu) = gpu_with(VulkanConfig {
-            host_wait,
+            host_wait: Some(host_wait),
             ..VulkanConfig::default()
         }) else {
             return;
