@@ -24,6 +24,10 @@
 @group(0) @binding(6) var<storage, read> v: array<f32>;
 
 var<workgroup> qs: array<f32, HD>;
+// This batch's keys (INBATCH, batches of at most STAGED_KEYS rows), rotated and rounded as the
+// pages hold them once per workgroup, so no invocation rotates a whole key alone.
+const STAGED_KEYS: u32 = 8u;
+var<workgroup> kb: array<f32, STAGED_KEYS * HD>;
 var<workgroup> red_m: array<f32, WG>;
 var<workgroup> red_l: array<f32, WG>;
 // Each invocation's acc, with a stride of HD + 1 so the writes hit distinct banks.
@@ -46,6 +50,14 @@ fn as_stored(x: vec2<f32>) -> vec2<f32> {
 fn key_score(j: u32, first: u32, cached: u32, kvh: u32, kvw: u32) -> f32 {
     var s = 0.0;
     let in_batch = INBATCH != 0u && j >= cached;
+    if (in_batch && step_n() <= STAGED_KEYS) {
+        let at = (j - cached) * HD;
+        for (var i = 0u; i < HD / 2u; i++) {
+            let ab = rope_pair(i);
+            s += qs[ab.x] * kb[at + ab.x] + qs[ab.y] * kb[at + ab.y];
+        }
+        return s;
+    }
     let block = step_block(j / pc.block_tokens);
     let token = j % pc.block_tokens;
     let base = (j - min(j, cached)) * kvw + kvh * HD;
@@ -97,6 +109,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     } else {
         for (var d = lid; d < HD; d += WG) {
             qs[d] = q[qrow + d] * pc.scale;
+        }
+    }
+    if (INBATCH != 0u && step_n() <= STAGED_KEYS) {
+        for (var e = lid; e < step_n() * HD / 2u; e += WG) {
+            let b = e / (HD / 2u);
+            let i = e % (HD / 2u);
+            let ab = rope_pair(i);
+            let base = b * kvw + kvh * HD;
+            var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
+            if (ROPE_K != 0u) {
+                let cs = rope_cs(first + b, i);
+                k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
+            }
+            k2 = as_stored(k2);
+            kb[b * HD + ab.x] = k2.x;
+            kb[b * HD + ab.y] = k2.y;
         }
     }
     workgroupBarrier();
