@@ -265,6 +265,30 @@ const TESTS: &[HardwareTest] = &[
         "attention_statistics_match_the_cpu",
         &[Need::Vulkan],
     ),
+    host_gpu(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "a_long_batch_linear_matches_the_cpu",
+        &[Need::Vulkan],
+    ),
+    host_gpu(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "a_split_k_gemm_matches_the_cpu",
+        &[Need::Vulkan],
+    ),
+    host_gpu(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "every_gemv_lane_count_matches_the_cpu",
+        &[Need::Vulkan],
+    ),
+    host_gpu(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "every_host_wait_reads_the_same_logits",
+        &[Need::Vulkan],
+    ),
     hw(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
