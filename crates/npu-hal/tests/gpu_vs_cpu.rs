@@ -331,6 +331,15 @@ fn submit_without_cache(
     })
 }
 
+/// The CPU reference NPU every comparison runs against.
+fn cpu() -> CpuNpu {
+    CpuNpu::new(CpuConfig {
+        threads: 2,
+        ..CpuConfig::default()
+    })
+    .expect("cpu")
+}
+
 /// The GPU backend with the tiled prefill attention, decode attention split over 4
 /// workgroups per head (merged by the last) and a spinning host wait, none of which lavapipe
 /// takes by default.
@@ -406,11 +415,7 @@ fn chunks() -> Vec<Vec<u32>> {
 
 fn compare(storage: Storage, dtype: PageDtype, tolerance: f32) {
     let Some(mut gpu) = gpu() else { return };
-    let mut cpu = CpuNpu::new(CpuConfig {
-        threads: 2,
-        ..CpuConfig::default()
-    })
-    .expect("cpu");
+    let mut cpu = cpu();
     let mc = load(&mut cpu, storage, 42);
     let mg = load(&mut gpu, storage, 42);
     let (mut kc, mut kg) = (kv_cache(dtype), kv_cache(dtype));
@@ -450,11 +455,7 @@ fn mx_weights_match_the_cpu() {
 /// row that differ.
 #[test]
 fn a_long_batch_linear_matches_the_cpu() {
-    let mut cpu = CpuNpu::new(CpuConfig {
-        threads: 2,
-        ..CpuConfig::default()
-    })
-    .expect("cpu");
+    let mut cpu = cpu();
     let tokens: Vec<u32> = (0..100).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
     let mut failures = Vec::new();
     let Some(mut gpu) = gpu() else {
@@ -577,11 +578,7 @@ fn linear_outputs(
 // readback memory) matrices: the tree, the stores and the tall-matrix choice at each width.
 #[test]
 fn every_gemv_lane_count_matches_the_cpu() {
-    let mut cpu = CpuNpu::new(CpuConfig {
-        threads: 2,
-        ..CpuConfig::default()
-    })
-    .expect("cpu");
+    let mut cpu = cpu();
     let storage = Storage::Mx(ElemFormat::Fp6E2M3);
     let shapes = [
         (true, 100, 160, false),
@@ -624,11 +621,7 @@ fn every_gemv_lane_count_matches_the_cpu() {
 // ranges' sums.
 #[test]
 fn a_split_k_gemm_matches_the_cpu() {
-    let mut cpu = CpuNpu::new(CpuConfig {
-        threads: 2,
-        ..CpuConfig::default()
-    })
-    .expect("cpu");
+    let mut cpu = cpu();
     let (Some(mut split), Some(mut whole)) = (
         gpu_with(VulkanConfig {
             gemm_split_groups: Some(100_000),
@@ -904,11 +897,7 @@ fn unified(buffer: &Arc<UnifiedBuffer>, skip: usize) -> npu_hal::EmbeddingData<'
 #[test]
 fn unified_embeddings_are_read_in_place() {
     let Some(mut gpu) = gpu() else { return };
-    let mut cpu = CpuNpu::new(CpuConfig {
-        threads: 2,
-        ..CpuConfig::default()
-    })
-    .expect("cpu");
+    let mut cpu = cpu();
     let storage = Storage::Mx(ElemFormat::Int8);
     let (mc, mg) = (load(&mut cpu, storage, 7), load(&mut gpu, storage, 7));
     let uploads = uvm_alloc::CopyLedger::global().stage("gpu-splice-upload");
@@ -1058,11 +1047,7 @@ fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
 #[test]
 fn attention_statistics_match_the_cpu() {
     let Some(mut gpu) = gpu() else { return };
-    let mut cpu = CpuNpu::new(CpuConfig {
-        threads: 2,
-        ..CpuConfig::default()
-    })
-    .expect("cpu");
+    let mut cpu = cpu();
     let (mc, mg) = (
         load(&mut cpu, Storage::F32, 11),
         load(&mut gpu, Storage::F32, 11),

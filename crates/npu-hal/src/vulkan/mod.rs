@@ -142,8 +142,9 @@ pub enum HostWait {
     /// it, and a CPU core is free meanwhile, at the cost of the wake-up.
     Block,
     /// Polls the timeline's value, one core busy for the whole wait: no wake-up latency. On the
-    /// H200 a decode step of a SmolLM2-135M-shaped model took 1124-1157 us against 1197-1224 us blocking (README,
-    /// "Decoder on the GPU"); worth it where a core is to spare and latency is what counts.
+    /// H200 a decode step of a SmolLM2-135M-shaped model took 1124-1157 us against 1197-1224 us
+    /// blocking (README, "Decoder on the GPU"); worth it where a core is to spare and latency
+    /// is what counts.
     Spin,
     /// Sleeps through the part of the run that earlier runs of the same recorded command buffer
     /// say is left, less 100 us, then polls: about the spinning wait's latency, with the
@@ -157,35 +158,27 @@ pub enum HostWait {
 /// overshoot (Linux's default timer slack is 50 us) and the run-to-run spread of a decode step.
 const NAP_MARGIN: Duration = Duration::from_micros(100);
 
+/// Environment variable `name` parsed as a `T`; `None` when unset or unparsable.
+fn env_parse<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok()?.parse().ok()
+}
+
 impl Default for VulkanConfig {
     fn default() -> Self {
         VulkanConfig {
             adapter: AdapterChoice::Best,
-            wait_timeout: std::env::var("NPU_HAL_WAIT_TIMEOUT_S")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map(Duration::from_secs),
+            wait_timeout: env_parse("NPU_HAL_WAIT_TIMEOUT_S").map(Duration::from_secs),
             profile: std::env::var_os("NPU_HAL_PROFILE").is_some(),
-            gemv_lanes: std::env::var("NPU_HAL_GEMV_LANES")
-                .ok()
-                .and_then(|v| v.parse().ok()),
-            gemv_wide_lanes: std::env::var("NPU_HAL_GEMV_WIDE_LANES")
-                .ok()
-                .and_then(|v| v.parse().ok()),
-            gemv_tall_lanes: std::env::var("NPU_HAL_GEMV_TALL_LANES")
-                .ok()
-                .and_then(|v| v.parse().ok()),
-            gemm_split_groups: std::env::var("NPU_HAL_GEMM_SPLIT_GROUPS")
-                .ok()
-                .and_then(|v| v.parse().ok()),
+            gemv_lanes: env_parse("NPU_HAL_GEMV_LANES"),
+            gemv_wide_lanes: env_parse("NPU_HAL_GEMV_WIDE_LANES"),
+            gemv_tall_lanes: env_parse("NPU_HAL_GEMV_TALL_LANES"),
+            gemm_split_groups: env_parse("NPU_HAL_GEMM_SPLIT_GROUPS"),
             tiled_attention: match std::env::var("NPU_HAL_TILED_ATTENTION").as_deref() {
                 Ok("0") => Some(false),
                 Ok("1") => Some(true),
                 _ => None,
             },
-            attention_splits: std::env::var("NPU_HAL_ATTENTION_SPLITS")
-                .ok()
-                .and_then(|v| v.parse().ok()),
+            attention_splits: env_parse("NPU_HAL_ATTENTION_SPLITS"),
             host_wait: match std::env::var("NPU_HAL_HOST_WAIT").as_deref() {
                 Ok("block") => Some(HostWait::Block),
                 Ok("spin") => Some(HostWait::Spin),
@@ -545,8 +538,6 @@ pub struct VulkanNpu {
     /// (Q, K and V; gate and up), which run side by side, take slots 0, 1, ... so that none
     /// waits for another's scratch.
     split_scratch: HashMap<(usize, usize, usize), TensorId>,
-    /// The next slot per shape in the current run of linear layers (planning state).
-    split_slots: HashMap<(usize, usize), usize>,
     /// [`VulkanConfig::tiled_attention`].
     tiled_attention: bool,
     /// [`VulkanConfig::attention_splits`].
@@ -710,7 +701,6 @@ impl VulkanNpu {
                 GPU_GEMM_SPLIT_GROUPS
             }),
             split_scratch: HashMap::new(),
-            split_slots: HashMap::new(),
             attention_splits: config
                 .attention_splits
                 .unwrap_or(if ctx.adapter.is_cpu() {
@@ -1482,10 +1472,19 @@ impl VulkanNpu {
             cols,
         );
         if max_splits > 1 {
-            let shape = (r as usize, max_splits as usize * y_rows);
-            let slot = self.split_slots.entry(shape).or_insert(0);
-            let key = (shape.0, shape.1, *slot);
-            *slot += 1;
+            let scratch_rows = max_splits as usize * y_rows;
+            // This layer's place among the split linear layers of its scratch shape in the run
+            // of linear layers just before it (the dispatch pushed above is its own).
+            let slot = p.dispatches[..p.dispatches.len() - 1]
+                .iter()
+                .rev()
+                .take_while(|d| matches!(d.kernel, Kernel::Gemm { .. }))
+                .filter_map(|d| d.split_k)
+                .filter(|s| {
+                    s.rows == r && self.tensors[s.scratch.0 as usize].max_rows == scratch_rows
+                })
+                .count();
+            let key = (r as usize, scratch_rows, slot);
             let scratch = match self.split_scratch.get(&key) {
                 Some(&t) => t,
                 None => {
@@ -1894,10 +1893,6 @@ impl VulkanNpu {
         reads: Vec<Resource>,
         writes: Vec<Resource>,
     ) -> Result<(), Error> {
-        if !matches!(kernel, Kernel::Gemm { .. }) {
-            // Any other dispatch ends a run of linear layers.
-            self.split_slots.clear();
-        }
         let set = self.descriptor_set(p.pool, kernel, buffers)?;
         p.dispatches.push(Dispatch {
             kernel,
@@ -2043,12 +2038,16 @@ impl VulkanNpu {
         }
         // Earlier submissions and host writes of the step buffer come before everything here.
         full_barrier(&d, cb);
-        let mut written: Vec<Resource> = Vec::new();
-        let mut read: Vec<Resource> = Vec::new();
-        let mut bound = vk::Pipeline::null();
         let count = self.programs[pi].dispatches.len();
         let profiling = !r.kernels.is_empty();
-        let mut pending: Vec<PendingSum> = Vec::new();
+        let mut emit = Emit {
+            d: &d,
+            cb,
+            written: Vec::new(),
+            read: Vec::new(),
+            bound: vk::Pipeline::null(),
+            pending: Vec::new(),
+        };
         for i in 0..count {
             let (kernel, grid, set, push, reads, writes, split_k) = {
                 let x = &self.programs[pi].dispatches[i];
@@ -2077,20 +2076,9 @@ impl VulkanNpu {
             {
                 reads.push(Resource::Kv);
             }
-            let mut emit = Emit {
-                d: &d,
-                cb,
-                written: &mut written,
-                read: &mut read,
-                bound: &mut bound,
-            };
             // Split-K sums wait until a dispatch other than a split GEMM that needs nothing of
             // theirs, so the GEMMs of a run of linear layers share one level and their sums the
             // next (each dispatch is timed alone when profiling).
-            let conflicts = |p: &PendingSum, reads: &[Resource], writes: &[Resource]| {
-                reads.iter().chain(writes).any(|r| p.writes.contains(r))
-                    || writes.iter().any(|w| p.reads.contains(w))
-            };
             // A GEMM with too few tiles to fill the GPU runs split over column ranges, then
             // the sum of the ranges (VulkanConfig::gemm_split_groups).
             let split = match (kernel, split_k) {
@@ -2116,9 +2104,9 @@ impl VulkanNpu {
                 // from `self.pipelines` and sets from the program's pool, made with the kernel's
                 // layout (the split-K sets in `add_linear`); grids were checked when the program
                 // was built; reads and writes are the dispatch's own, the scratch included.
-                if profiling || pending.iter().any(|p| conflicts(p, &reads, &scratch)) {
+                if profiling || emit.conflicts_with_pending(&reads, &scratch) {
                     // SAFETY: see above.
-                    unsafe { emit.flush(&mut pending) };
+                    unsafe { emit.flush() };
                 }
                 let split_groups = [groups[0], groups[1], n];
                 // SAFETY: as above.
@@ -2137,7 +2125,7 @@ impl VulkanNpu {
                 if sk.accumulate {
                     reduce_reads.extend(&writes);
                 }
-                pending.push(PendingSum {
+                emit.pending.push(PendingSum {
                     pipeline: reduce,
                     set: sk.reduce,
                     push: push_words(&[sk.rows, n, u32::from(sel)]),
@@ -2147,11 +2135,11 @@ impl VulkanNpu {
                 });
                 if profiling {
                     // SAFETY: as above.
-                    unsafe { emit.flush(&mut pending) };
+                    unsafe { emit.flush() };
                 }
             } else {
                 // SAFETY: as above.
-                unsafe { emit.flush(&mut pending) };
+                unsafe { emit.flush() };
                 let pipeline = self.pipelines.get(&self.ctx, kernel)?;
                 // SAFETY: as above.
                 unsafe { emit.dispatch(pipeline, set, &push, groups, &reads, &writes) };
@@ -2168,15 +2156,8 @@ impl VulkanNpu {
                 };
             }
         }
-        let mut emit = Emit {
-            d: &d,
-            cb,
-            written: &mut written,
-            read: &mut read,
-            bound: &mut bound,
-        };
         // SAFETY: as for the Emit calls in the loop.
-        unsafe { emit.flush(&mut pending) };
+        unsafe { emit.flush() };
         // Results are visible to whatever follows: copies, the host, the next submission.
         full_barrier(&d, cb);
         if let Some(pool) = r.timestamps {
@@ -2342,12 +2323,15 @@ fn same_device(t: &dyn Timeline, device: vk::Device) -> Option<&VulkanTimeline> 
 
 /// Records dispatches into a program's command buffer, with a barrier before any that reads or
 /// writes what an earlier one since the last barrier wrote, or writes what one read.
+/// Split-K sums wait in `pending` until something needs them ([`Emit::flush`]).
 struct Emit<'a> {
     d: &'a ash::Device,
     cb: vk::CommandBuffer,
-    written: &'a mut Vec<Resource>,
-    read: &'a mut Vec<Resource>,
-    bound: &'a mut vk::Pipeline,
+    /// What the dispatches since the last barrier wrote and read.
+    written: Vec<Resource>,
+    read: Vec<Resource>,
+    bound: vk::Pipeline,
+    pending: Vec<PendingSum>,
 }
 
 /// A split-K sum not yet recorded ([`Emit::flush`]).
@@ -2365,11 +2349,20 @@ impl Emit<'_> {
     ///
     /// # Safety
     /// As [`Emit::dispatch`], for each.
-    unsafe fn flush(&mut self, pending: &mut Vec<PendingSum>) {
-        for p in pending.drain(..) {
+    unsafe fn flush(&mut self) {
+        for p in std::mem::take(&mut self.pending) {
             // SAFETY: the caller's contract, for each pending dispatch.
             unsafe { self.dispatch(p.pipeline, p.set, &p.push, p.groups, &p.reads, &p.writes) };
         }
+    }
+
+    /// Whether a dispatch reading `reads` and writing `writes` touches what a pending sum
+    /// writes, or writes what one reads.
+    fn conflicts_with_pending(&self, reads: &[Resource], writes: &[Resource]) -> bool {
+        self.pending.iter().any(|p| {
+            reads.iter().chain(writes).any(|r| p.writes.contains(r))
+                || writes.iter().any(|w| p.reads.contains(w))
+        })
     }
 
     /// # Safety
@@ -2397,10 +2390,10 @@ impl Emit<'_> {
         self.read.extend(reads);
         // Every layout takes PUSH_BYTES of push constants, so `push` fits; the rest is the
         // caller's contract.
-        if pipeline.pipeline != *self.bound {
+        if pipeline.pipeline != self.bound {
             // SAFETY: see above.
             unsafe { d.cmd_bind_pipeline(cb, vk::PipelineBindPoint::COMPUTE, pipeline.pipeline) };
-            *self.bound = pipeline.pipeline;
+            self.bound = pipeline.pipeline;
         }
         // SAFETY: see above.
         unsafe {

@@ -25,7 +25,8 @@
 
 var<workgroup> qs: array<f32, HD>;
 // This batch's keys (INBATCH, batches of at most STAGED_KEYS rows), rotated and rounded as the
-// pages hold them once per workgroup, so no invocation rotates a whole key alone.
+// pages hold them once per workgroup, so no invocation rotates a whole key alone. Longer
+// batches (the row kernel where the tiled one is not taken) rotate each key where it is scored.
 const STAGED_KEYS: u32 = 8u;
 var<workgroup> kb: array<f32, STAGED_KEYS * HD>;
 var<workgroup> red_m: array<f32, WG>;
