@@ -1,7 +1,6 @@
 // y[t][row] = sum_k W[row][k] x[t][k] for prefill batches: 64 rows x 64 tokens per workgroup,
 // 32 columns per step staged in workgroup memory (the weights decoded once per tile), 4 x 4
-// outputs per invocation; each step's global loads are issued before the previous step's
-// products, so they are in flight while it computes. The module declares W_FORMAT, SPLIT_K and the linear_io.wgsl
+// outputs per invocation. The module declares W_FORMAT, SPLIT_K and the linear_io.wgsl
 // constants.
 //
 // Split-K (SPLIT_K 1): the grid's z dimension cuts the columns into that many ranges of whole
@@ -52,15 +51,6 @@ fn main(
     let per = ((pc.cols + groups.z - 1u) / groups.z + BK - 1u) / BK * BK;
     let k_lo = min(pc.cols, wg.z * per);
     let k_hi = min(pc.cols, k_lo + per);
-    // The next step's loads, issued before this step's products and used after them, so the
-    // wait on memory overlaps the arithmetic (a layer has too few tiles for other workgroups
-    // to hide it).
-    var wr: array<vec4<u32>, 2>;
-    var xr: array<vec4<f32>, 2>;
-    var ar: array<vec4<f32>, 2>;
-    if (k_lo < k_hi) {
-        fetch(k_lo, row0, tok0, span, lid, &wr, &xr, &ar);
-    }
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
         for (var i = 0u; i < 2u; i++) {
             let idx = lid + i * 256u;
@@ -68,7 +58,7 @@ fn main(
             let kq = idx % 8u;
             var w = vec4<f32>(0.0);
             if (row0 + r < pc.rows) {
-                w = w4_unpack(wr[i]);
+                w = w4(row0 + r, k0 + kq * 4u, pc.cols);
             }
             for (var j = 0u; j < 4u; j++) {
                 ws[(kq * 4u + j) * 16u + r / 4u][r % 4u] = w[j];
@@ -79,16 +69,13 @@ fn main(
                 if (IN_MODE == 1u) {
                     inv = inv_s[r];
                 }
-                v = stage_x(xr[i], ar[i], inv);
+                v = load_x(span.x + tok0 + r, k0 / 4u + kq, inv);
             }
             for (var j = 0u; j < 4u; j++) {
                 xs[(kq * 4u + j) * 16u + r / 4u][r % 4u] = v[j];
             }
         }
         workgroupBarrier();
-        if (k0 + BK < k_hi) {
-            fetch(k0 + BK, row0, tok0, span, lid, &wr, &xr, &ar);
-        }
         for (var kk = 0u; kk < BK; kk++) {
             let a = ws[kk * 16u + tr];
             let b = xs[kk * 16u + tt];
@@ -110,34 +97,6 @@ fn main(
                     store_y(t * pc.rows + row, acc[i][j]);
                 }
             }
-        }
-    }
-}
-
-// Issues the loads of the step at column k0: for each of this invocation's two (row, k4)
-// slots, the weight words (not decoded) and the input's x and aux elements (the input stage
-// not applied). Rows and tokens outside the tile load nothing.
-fn fetch(
-    k0: u32,
-    row0: u32,
-    tok0: u32,
-    span: vec2<u32>,
-    lid: u32,
-    wr: ptr<function, array<vec4<u32>, 2>>,
-    xr: ptr<function, array<vec4<f32>, 2>>,
-    ar: ptr<function, array<vec4<f32>, 2>>,
-) {
-    for (var i = 0u; i < 2u; i++) {
-        let idx = lid + i * 256u;
-        let r = idx / 8u;
-        let kq = idx % 8u;
-        if (row0 + r < pc.rows) {
-            (*wr)[i] = w4_load(row0 + r, k0 + kq * 4u, pc.cols);
-        }
-        if (tok0 + r < span.y) {
-            let t = span.x + tok0 + r;
-            (*xr)[i] = x[t * (pc.cols / 4u) + k0 / 4u + kq];
-            (*ar)[i] = load_aux(t, k0 / 4u + kq);
         }
     }
 }

@@ -19,26 +19,12 @@ var<immediate> pc: Params;
 // Elements 4 k4 .. 4 k4 + 3 of input row `t` (an absolute row of the x tensor), with `inv`
 // that row's 1 / rms when IN_MODE is 1.
 fn load_x(t: u32, k4: u32, inv: f32) -> vec4<f32> {
-    return stage_x(x[t * (pc.cols / 4u) + k4], load_aux(t, k4), inv);
-}
-
-// What the input stage needs from `aux` for those elements (the gain, `up`, or nothing), so a
-// kernel can issue this load with x's and apply the stage later (`stage_x`).
-fn load_aux(t: u32, k4: u32) -> vec4<f32> {
+    let i = t * (pc.cols / 4u) + k4;
+    let v = x[i];
     if (IN_MODE == 1u) {
-        return aux[k4];
+        return v * inv * aux[k4];
     } else if (IN_MODE == 2u) {
-        return aux[t * (pc.cols / 4u) + k4];
-    }
-    return vec4<f32>(0.0);
-}
-
-// The input stage applied to x's elements `v` and `load_aux`'s `a`.
-fn stage_x(v: vec4<f32>, a: vec4<f32>, inv: f32) -> vec4<f32> {
-    if (IN_MODE == 1u) {
-        return v * inv * a;
-    } else if (IN_MODE == 2u) {
-        return v / (1.0 + exp(-v)) * a;
+        return v / (1.0 + exp(-v)) * aux[i];
     }
     return v;
 }
