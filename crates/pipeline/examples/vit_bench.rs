@@ -5,7 +5,8 @@
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
 //! [small|blocked|register|register-f16|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
-//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_ROWS=64|128` picks the tensor-core GEMM's block;
+//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_TILE=ROWSxCOLS/TMxTN` picks the tensor-core GEMM's blocking
+//! (`pipeline::vision_gpu::CoopTile`);
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
 //! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
 //! `median_ms` is then per batch, `ms_per_image` per image)
@@ -35,7 +36,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "per-query" => pipeline::vision_gpu::AttentionKernel::PerQuery,
         _ => pipeline::vision_gpu::AttentionKernel::Tiled,
     };
-    let coop_block_rows = std::env::var("VIT_COOP_ROWS").map_or(Ok(0), |v| v.parse())?;
+    let coop_tile = match std::env::var("VIT_COOP_TILE") {
+        Ok(text) => Some(pipeline::vision_gpu::CoopTile::parse(&text)?),
+        Err(_) => None,
+    };
     // `mx:FORMAT` anywhere after the shape: GEMM weights in that MX format, decoded in-kernel.
     let mx_weights = match args.iter().find_map(|a| a.strip_prefix("mx:")) {
         Some(name) => Some(
@@ -47,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let options = pipeline::vision_gpu::GpuVisionOptions {
         gemm,
         attention,
-        coop_block_rows,
+        coop_tile,
         mx_weights,
     };
     let config = match shape {

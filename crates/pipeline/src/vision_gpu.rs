@@ -63,6 +63,8 @@ pub struct GpuVisionEncoder {
     /// Indexed like KERNEL_NAMES; `None` for modules this encoder did not build.
     pipelines: Vec<Option<wgpu::ComputePipeline>>,
     options: GpuVisionOptions,
+    /// The tensor-core GEMM's blockings (`Coop` only).
+    coop_gemms: CoopGemms,
     /// Dispatches that do not depend on the input and output buffers.
     body: Vec<Dispatch>,
     /// Buffers the input-dependent dispatches bind.
@@ -76,6 +78,34 @@ pub struct GpuVisionEncoder {
     shuffle_binds: Vec<wgpu::BindGroup>,
     /// Bound in the bias slot of GEMMs without a bias; their flag leaves it unread.
     no_bias: wgpu::Buffer,
+}
+
+/// The tensor-core GEMM pipelines an encoder built: `GEMM_COOP` with `base` blocks and, unless a
+/// blocking was forced, `GEMM_COOP_WIDE` with `wide` blocks for the GEMMs that have enough of
+/// them ([`CoopTile::for_shape`]).
+#[derive(Clone, Copy, Debug)]
+struct CoopGemms {
+    base: CoopTile,
+    wide: Option<CoopTile>,
+}
+
+impl CoopGemms {
+    /// The pipeline and blocking of an m x n GEMM.
+    fn pick(self, m: usize, n: usize) -> (usize, CoopTile) {
+        match self.wide {
+            Some(wide) if CoopTile::for_shape(m, n) == wide => (GEMM_COOP_WIDE, wide),
+            _ => (GEMM_COOP, self.base),
+        }
+    }
+
+    /// The workgroup counts of an m x n GEMM with blocking `tile`.
+    fn groups(tile: CoopTile, m: usize, n: usize) -> (u32, u32, u32) {
+        (
+            n.div_ceil(tile.cols as usize) as u32,
+            m.div_ceil(tile.rows as usize) as u32,
+            1,
+        )
+    }
 }
 
 /// The connector's projection weight, and how it runs.
@@ -118,6 +148,9 @@ const LAYER_NORM_F16: usize = 12;
 const LINEAR_REG_MX: usize = 13;
 // The register GEMM with f16 weights: present only with `GemmKernel::RegisterF16`.
 const LINEAR_REG_F16: usize = 14;
+// The tensor-core GEMM with `CoopTile::WIDE` blocks, for GEMMs with enough of them to fill the
+// GPU: present with `Coop` unless `coop_tile` forces one blocking for all.
+const GEMM_COOP_WIDE: usize = 15;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
 const GEMM_BIAS: u32 = 1;
@@ -126,7 +159,7 @@ const GEMM_RESIDUAL: u32 = 4;
 const GEMM_F16_OUT: u32 = 8;
 
 /// Entry point of each pipeline index, for profiles.
-const KERNEL_NAMES: [&str; 15] = [
+const KERNEL_NAMES: [&str; 16] = [
     "linear",
     "layer_norm",
     "attention",
@@ -142,6 +175,7 @@ const KERNEL_NAMES: [&str; 15] = [
     "layer_norm_f16",
     "linear_reg_mx",
     "linear_reg_f16",
+    "gemm_coop_wide",
 ];
 
 /// The register GEMM, one module per weight format ([`register_gemm_source`]).
@@ -293,20 +327,256 @@ const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::SUBGROUP)
     .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
 
-/// The tensor-core module with its two tile constants set (rows per GEMM workgroup, subgroups
-/// of 16 queries per attention workgroup) and, with MX weights, the GEMM's weight source
-/// swapped for MX codes and scales decoded by mx-quant's WGSL functions.
-fn coop_source(
-    block_rows: usize,
-    query_subgroups: usize,
-    mx: Option<mx_quant::ElemFormat>,
-) -> String {
-    let gemm = "const BM: u32 = 64u;";
-    let keys = "const QSUB: u32 = 4u;";
-    debug_assert!(COOP_SHADER.contains(gemm) && COOP_SHADER.contains(keys));
-    let mut source = COOP_SHADER
-        .replace(gemm, &format!("const BM: u32 = {block_rows}u;"))
-        .replace(keys, &format!("const QSUB: u32 = {query_subgroups}u;"));
+/// The tensor-core GEMM's blocking (`gemm_coop`, vit_coop.wgsl): a workgroup computes a
+/// `rows x cols` block of y, split among subgroups that each hold `tiles_m x tiles_n`
+/// accumulator tiles of 16x16. Bigger subgroup blocks load fewer tiles from workgroup memory
+/// per product (TM + TN loads for TM x TN products); bigger workgroup blocks read less from
+/// memory per product but leave fewer workgroups to fill the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoopTile {
+    pub rows: u32,
+    pub cols: u32,
+    pub tiles_m: u32,
+    pub tiles_n: u32,
+    /// K steps whose loads are in flight while a step multiplies: 1, 2, 4 or 8.
+    pub prefetch: u32,
+}
+
+impl CoopTile {
+    /// 64x64 blocks of 4 subgroups with 2x2 tiles each, four k steps in flight: the default
+    /// for GEMMs too small to fill the GPU with [`CoopTile::WIDE`] blocks.
+    pub const SMALL: CoopTile = CoopTile {
+        rows: 64,
+        cols: 64,
+        tiles_m: 2,
+        tiles_n: 2,
+        prefetch: 4,
+    };
+
+    /// 128x128 blocks of 8 subgroups with 4x2 tiles each, four k steps in flight: the default
+    /// where a GEMM has at least [`CoopTile::WIDE_MIN_BLOCKS`] of them.
+    pub const WIDE: CoopTile = CoopTile {
+        rows: 128,
+        cols: 128,
+        tiles_m: 4,
+        tiles_n: 2,
+        prefetch: 4,
+    };
+
+    /// Fewer [`CoopTile::WIDE`] blocks than this leave too much of an H200 (132 SMs) idle, and
+    /// [`CoopTile::SMALL`] is faster (README, "Vision encoder").
+    pub const WIDE_MIN_BLOCKS: usize = 128;
+
+    /// The default blocking for an m x n GEMM.
+    pub fn for_shape(m: usize, n: usize) -> CoopTile {
+        let wide = CoopTile::WIDE;
+        if m.div_ceil(wide.rows as usize) * n.div_ceil(wide.cols as usize) >= Self::WIDE_MIN_BLOCKS
+        {
+            wide
+        } else {
+            CoopTile::SMALL
+        }
+    }
+
+    /// `ROWSxCOLS/TMxTN[/pN]`, e.g. `128x128/4x2` or `128x128/4x2/p2`.
+    pub fn parse(text: &str) -> Result<CoopTile, String> {
+        let (text_tile, prefetch) = match text.rsplit_once("/p") {
+            Some((tile, n)) => (
+                tile,
+                n.parse().map_err(|_| {
+                    format!("tensor-core GEMM tile {text:?}: /pN takes 1, 2, 4 or 8")
+                })?,
+            ),
+            None => (text, 1),
+        };
+        let mut tile = Self::parse_blocking(text_tile).map_err(|e| e.replace(text_tile, text))?;
+        tile.prefetch = prefetch;
+        tile.check().map_err(|e| e.replace(text_tile, text))?;
+        Ok(tile)
+    }
+
+    fn parse_blocking(text: &str) -> Result<CoopTile, String> {
+        let pair = |part: &str| -> Option<(u32, u32)> {
+            let (a, b) = part.split_once('x')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        };
+        let (block, tiles) = text
+            .split_once('/')
+            .ok_or_else(|| format!("tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN"))?;
+        let ((rows, cols), (tiles_m, tiles_n)) = pair(block)
+            .zip(pair(tiles))
+            .ok_or_else(|| format!("tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN"))?;
+        let tile = CoopTile {
+            rows,
+            cols,
+            tiles_m,
+            tiles_n,
+            prefetch: 1,
+        };
+        tile.check()?;
+        Ok(tile)
+    }
+
+    fn subgroups(self) -> u32 {
+        (self.rows / (16 * self.tiles_m)) * (self.cols / (16 * self.tiles_n))
+    }
+
+    /// Whether the kernel can be built with this blocking: whole subgroup blocks, 1 to 8
+    /// subgroups, and each block's 32-wide k slice split evenly among the invocations.
+    fn check(self) -> Result<(), String> {
+        let CoopTile {
+            rows,
+            cols,
+            tiles_m,
+            tiles_n,
+            prefetch,
+        } = self;
+        if ![1, 2, 4, 8].contains(&prefetch) {
+            return Err(format!(
+                "tensor-core GEMM tile {rows}x{cols}/{tiles_m}x{tiles_n}/p{prefetch}: 1, 2, 4 or \
+                 8 k steps can be in flight"
+            ));
+        }
+        let whole = (1..=8).contains(&tiles_m)
+            && (1..=8).contains(&tiles_n)
+            && rows.is_multiple_of(16 * tiles_m)
+            && cols.is_multiple_of(16 * tiles_n);
+        let threads = if whole { self.subgroups() * 32 } else { 0 };
+        if !whole
+            || !(1..=8).contains(&self.subgroups())
+            || !(rows * 8).is_multiple_of(threads)
+            || !(cols * 8).is_multiple_of(threads)
+        {
+            return Err(format!(
+                "tensor-core GEMM tile {rows}x{cols}/{tiles_m}x{tiles_n}: the block must split \
+                 into 1 to 8 subgroups of {tiles_m}x{tiles_n} 16x16 tiles (1 to 8 each way) \
+                 whose invocations share each 32-wide k slice evenly"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Workgroup memory `gemm_coop` declares with this blocking: two staged x and w tiles of
+    /// rows (cols) x 40 f16s, and a 16x16 f32 scratch per subgroup.
+    fn workgroup_bytes(self) -> u32 {
+        2 * (self.rows + self.cols) * 10 * 8 + self.subgroups() * 1024
+    }
+
+    /// The code for the three markers of `gemm_coop`: the accumulators, one k step's products
+    /// and the epilogue, written out for TM x TN tiles.
+    fn gemm_code(self) -> [(&'static str, String); 3] {
+        let (tm, tn) = (self.tiles_m, self.tiles_n);
+        let mut accumulators = String::new();
+        let mut products = String::new();
+        let mut epilogue = String::new();
+        for i in 0..tm {
+            products += &format!(
+                "let a{i} = coopLoadT<coop_mat16x16<f16, A>>(&ta[abase + {}u * LDT + kk], LDT);\n            ",
+                16 * i
+            );
+        }
+        for j in 0..tn {
+            products += &format!(
+                "let b{j} = coopLoad<coop_mat16x16<f16, B>>(&tb[bbase + {}u * LDT + kk], LDT);\n            ",
+                16 * j
+            );
+        }
+        for i in 0..tm {
+            for j in 0..tn {
+                accumulators += &format!("var c{i}_{j} = coop_mat16x16<f32, C>();\n    ");
+                products +=
+                    &format!("c{i}_{j} = coopMultiplyAdd(a{i}, b{j}, c{i}_{j});\n            ");
+                epilogue += &format!(
+                    "finish_tile(c{i}_{j}, sg, lane, r0 + {}u, c0 + {}u);\n    ",
+                    16 * i,
+                    16 * j
+                );
+            }
+        }
+        // One k step: stage the registers `set` into buffer `buf`, refill them with the step
+        // `ahead` of this one, multiply the staged tiles.
+        let step = |set: &str, buf: &str, ahead: u32, guard: bool| {
+            let fetch = format!("{set} = fetch_step(tid, row0, col0, (step + {ahead}u) * BK);");
+            let fetch = if guard {
+                format!("if (step + {ahead}u < steps) {{\n            {fetch}\n        }}")
+            } else {
+                fetch
+            };
+            format!(
+                "stage_step({set}, tid, {buf});\n        workgroupBarrier();\n        {fetch}\n        \
+                 {{\n        let abase = {buf} * A_TILE + sr * 16u * TM * LDT;\n        \
+                 let bbase = {buf} * B_TILE + sc * 16u * TN * LDT;\n        \
+                 for (var kk = 0u; kk < ROW_VECS; kk += 4u) {{\n            {products}\n        }}\n        }}\n        "
+            )
+        };
+        let k_loop = if self.prefetch == 1 {
+            // One step in flight: buffers alternate by step.
+            format!(
+                "var next = fetch_step(tid, row0, col0, 0u);\n    \
+                 for (var step = 0u; step < steps; step++) {{\n        \
+                 let buf = step % 2u;\n        {}}}\n",
+                step("next", "buf", 1, true)
+            )
+        } else {
+            // N steps in flight (N = 2, 4 or 8): step s's loads in register set s % N, staged into
+            // buffer s % 2 (the loop is unrolled N times, so both are fixed in the code). Steps
+            // at or past k fetch zeros (`fetch_x`, `fetch_w`), so a step count that is not a
+            // multiple of N ends with zero steps rather than a branch around cooperative
+            // operations (which must stay in uniform control flow).
+            let n = self.prefetch;
+            let mut code = String::new();
+            for j in 0..n {
+                code += &format!("var s{j} = fetch_step(tid, row0, col0, {j}u * BK);\n    ");
+            }
+            code += &format!("for (var step = 0u; step < steps; step += {n}u) {{\n        ");
+            for j in 0..n {
+                code += &step(&format!("s{j}"), &format!("{}u", j % 2), j + n, false);
+            }
+            code + "}\n"
+        };
+        [
+            ("// <accumulators>", accumulators),
+            ("// <k-loop>", k_loop),
+            ("// <epilogue>", epilogue),
+        ]
+    }
+}
+
+/// The tensor-core module with its tile constants set (the GEMM's blocking, subgroups of 16
+/// queries per attention workgroup) and, with MX weights, the GEMM's weight source swapped for
+/// MX codes and scales decoded by mx-quant's WGSL functions.
+fn coop_source(tile: CoopTile, query_subgroups: usize, mx: Option<mx_quant::ElemFormat>) -> String {
+    let constants = [
+        (
+            "const BM: u32 = 64u;",
+            format!("const BM: u32 = {}u;", tile.rows),
+        ),
+        (
+            "const BN: u32 = 64u;",
+            format!("const BN: u32 = {}u;", tile.cols),
+        ),
+        (
+            "const TM: u32 = 2u;",
+            format!("const TM: u32 = {}u;", tile.tiles_m),
+        ),
+        (
+            "const TN: u32 = 2u;",
+            format!("const TN: u32 = {}u;", tile.tiles_n),
+        ),
+        (
+            "const SGN: u32 = 2u;",
+            format!("const SGN: u32 = {}u;", tile.cols / (16 * tile.tiles_n)),
+        ),
+        (
+            "const QSUB: u32 = 4u;",
+            format!("const QSUB: u32 = {query_subgroups}u;"),
+        ),
+    ];
+    let mut source = COOP_SHADER.to_string();
+    for (marker, code) in constants.into_iter().chain(tile.gemm_code()) {
+        assert!(source.contains(marker), "vit_coop.wgsl lacks {marker}");
+        source = source.replace(marker, &code);
+    }
     if let Some(format) = mx {
         let block = format!(
             "{MX_BINDINGS}alias WRaw = vec4<u32>;\n\
@@ -384,8 +654,9 @@ pub enum AttentionKernel {
 pub struct GpuVisionOptions {
     pub gemm: GemmKernel,
     pub attention: AttentionKernel,
-    /// Rows of y per workgroup of the tensor-core GEMM: 64 or 128 (0 = the measured default).
-    pub coop_block_rows: u32,
+    /// The tensor-core GEMM's blocking for every GEMM; `None` (the default) picks per GEMM
+    /// shape between [`CoopTile::SMALL`] and [`CoopTile::WIDE`] ([`CoopTile::for_shape`]).
+    pub coop_tile: Option<CoopTile>,
     /// GEMM weights in this MX format, decoded inside the kernels: the f32 path's GEMMs over
     /// whole MX blocks (k a multiple of 32) run `linear_reg_mx`, and the tensor-core GEMM
     /// decodes its weight tiles as it stages them (then every GEMM's k must be a multiple of
@@ -433,7 +704,7 @@ impl GpuVisionOptions {
             GpuVisionOptions {
                 gemm: GemmKernel::Register,
                 attention: AttentionKernel::PerQuery,
-                coop_block_rows: 0,
+                coop_tile: None,
                 mx_weights: None,
             }
         } else {
@@ -601,16 +872,31 @@ impl GpuVisionEncoder {
             }
         }
         let coop = options.gemm == GemmKernel::Coop;
-        let block_rows: usize = match options.coop_block_rows {
-            0 | 64 => 64,
-            128 => 128,
-            other => {
-                return Err(GpuVisionError::Invalid(format!(
-                    "coop_block_rows is {other}: 64 or 128"
-                )));
-            }
+        // The blockings to build: a forced one, or SMALL plus WIDE where the device has the
+        // workgroup memory for WIDE.
+        let workgroup_limit = device.limits().max_compute_workgroup_storage_size;
+        let coop_gemms = match options.coop_tile {
+            Some(tile) => CoopGemms {
+                base: tile,
+                wide: None,
+            },
+            None => CoopGemms {
+                base: CoopTile::SMALL,
+                wide: Some(CoopTile::WIDE).filter(|wide| wide.workgroup_bytes() <= workgroup_limit),
+            },
         };
-        options.coop_block_rows = if coop { block_rows as u32 } else { 0 };
+        let tile = coop_gemms.base;
+        tile.check().map_err(GpuVisionError::Invalid)?;
+        if coop && workgroup_limit < tile.workgroup_bytes() {
+            return Err(GpuVisionError::Invalid(format!(
+                "the tensor-core GEMM tile {tile:?} needs {} bytes of workgroup memory; the \
+                 device offers {workgroup_limit}",
+                tile.workgroup_bytes(),
+            )));
+        }
+        if !coop {
+            options.coop_tile = None;
+        }
         // Attention workgroups take 64 queries (4 subgroups of 16) sharing each staged K and V
         // block. With 2 subgroups attention took 4.5 against 3.3 ms per SigLIP-B/16-512 image
         // on an H200 (`vit_bench -- b16-512 gpu 30 coop tiled profile`, before the softmax's
@@ -678,7 +964,7 @@ impl GpuVisionEncoder {
             compile(&module, index, 1, true);
         }
         if coop {
-            let source = coop_source(block_rows, query_subgroups, mx);
+            let source = coop_source(tile, query_subgroups, mx);
             // SAFETY: `create_shader_module_trusted` drops the runtime bounds checks (and loop
             // bounding) naga would add; an out-of-bounds access would then be undefined
             // behaviour on the device. Every dispatch of this module is built below from the
@@ -702,6 +988,22 @@ impl GpuVisionEncoder {
                 )
             };
             compile(&module, TO_F16, LINEAR_REG_MX - TO_F16, false);
+            if let Some(wide) = coop_gemms.wide {
+                let source = coop_source(wide, query_subgroups, mx)
+                    .replace("fn gemm_coop(", "fn gemm_coop_wide(");
+                // SAFETY: as above; `gemm_coop_wide` is `gemm_coop` with other tile constants
+                // and the same contract, and its dispatches are built the same way.
+                let module = unsafe {
+                    device.create_shader_module_trusted(
+                        wgpu::ShaderModuleDescriptor {
+                            label: Some("vit coop wide GEMM"),
+                            source: wgpu::ShaderSource::Wgsl(source.into()),
+                        },
+                        wgpu::ShaderRuntimeChecks::unchecked(),
+                    )
+                };
+                compile(&module, GEMM_COOP_WIDE, 1, false);
+            }
         }
         let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
@@ -824,10 +1126,11 @@ impl GpuVisionEncoder {
             );
             let flags = flags | if b.is_some() { GEMM_BIAS } else { 0 };
             let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
+            let (pipeline, tile) = coop_gemms.pick(m, nn);
             body.push(Dispatch {
-                pipeline: GEMM_COOP,
-                bind: bind(GEMM_COOP, &w.bind(x16, b.unwrap_or(&no_bias), y, &params)),
-                groups: (nn.div_ceil(64) as u32, m.div_ceil(block_rows) as u32, 1),
+                pipeline,
+                bind: bind(pipeline, &w.bind(x16, b.unwrap_or(&no_bias), y, &params)),
+                groups: CoopGemms::groups(tile, m, nn),
             });
         };
         // An f32 GEMM with the kernel `options` chose.
@@ -1090,6 +1393,7 @@ impl GpuVisionEncoder {
             batch,
             pipelines,
             options,
+            coop_gemms,
             body,
             patches,
             vision_out,
@@ -1182,7 +1486,12 @@ impl GpuVisionEncoder {
         let c = &self.config;
         let k = c.hidden * c.scale_factor * c.scale_factor;
         let projection = match &self.projection {
-            Projection::Coop { .. } => vec![TO_F16, GEMM_COOP],
+            Projection::Coop { .. } => vec![
+                TO_F16,
+                self.coop_gemms
+                    .pick(self.batch * c.image_tokens(), c.text_hidden)
+                    .0,
+            ],
             Projection::F32(w) => vec![w.f32_pipeline(self.options.gemm, k).0],
         };
         std::iter::repeat_n(IM2COL, self.batch)
@@ -1230,9 +1539,9 @@ impl GpuVisionEncoder {
         let width = c.text_hidden;
         let project: Vec<(usize, wgpu::BindGroup, (u32, u32, u32))> = match &self.projection {
             Projection::Coop { w, x16, len } => {
-                let rows = self.options.coop_block_rows as usize;
+                let (pipeline, tile) = self.coop_gemms.pick(batch_tokens, width);
                 let gemm_bind = bind(
-                    GEMM_COOP,
+                    pipeline,
                     &w.bind(x16, &self.no_bias, out, &self.projection_params),
                 );
                 vec![
@@ -1242,13 +1551,9 @@ impl GpuVisionEncoder {
                         groups_1d((batch_tokens * c.hidden * f2) as u32),
                     ),
                     (
-                        GEMM_COOP,
+                        pipeline,
                         gemm_bind,
-                        (
-                            width.div_ceil(64) as u32,
-                            batch_tokens.div_ceil(rows) as u32,
-                            1,
-                        ),
+                        CoopGemms::groups(tile, batch_tokens, width),
                     ),
                 ]
             }
@@ -1300,5 +1605,65 @@ impl GpuVisionEncoder {
             run(*pipeline, bind, *groups);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CoopTile, coop_source};
+
+    /// The generated tensor-core module parses and validates for every blocking the README
+    /// measures, with f16 and MX weights: CI's lavapipe has no cooperative matrices, so this is
+    /// where a bad substitution shows before an H200 run.
+    #[test]
+    fn every_coop_tile_builds_a_valid_module() {
+        for tile in [
+            "64x64/2x2",
+            "64x64/2x2/p2",
+            "64x64/2x2/p4",
+            "128x64/2x2",
+            "128x128/4x4",
+            "128x128/4x2/p4",
+            "64x64/2x2/p8",
+        ] {
+            let tile = CoopTile::parse(tile).unwrap();
+            for mx in [None, Some(mx_quant::ElemFormat::Fp4E2M1)] {
+                let source = coop_source(tile, 4, mx);
+                let last = format!(
+                    "c{0}_{1} = coopMultiplyAdd(a{0}, b{1}",
+                    tile.tiles_m - 1,
+                    tile.tiles_n - 1
+                );
+                assert!(
+                    source.contains(&last),
+                    "{tile:?}: the products are not written out"
+                );
+                let module = naga::front::wgsl::parse_str(&source)
+                    .unwrap_or_else(|e| panic!("{tile:?}: {}", e.emit_to_string(&source)));
+                naga::valid::Validator::new(
+                    naga::valid::ValidationFlags::all(),
+                    naga::valid::Capabilities::all(),
+                )
+                .validate(&module)
+                .unwrap_or_else(|e| panic!("{tile:?} {mx:?}: {e:?}"));
+            }
+        }
+    }
+
+    #[test]
+    fn coop_tiles_that_cannot_be_built_are_refused_by_name() {
+        for bad in [
+            "64x64",
+            "64x64/3x2",
+            "48x64/2x2",
+            "256x256/2x2",
+            "64x64/0x1",
+            "axb/2x2",
+            "64x64/2x2/p3",
+            "64x64/2x2/px",
+        ] {
+            let err = CoopTile::parse(bad).unwrap_err();
+            assert!(err.contains(bad), "{err}");
+        }
     }
 }

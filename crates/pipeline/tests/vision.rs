@@ -219,9 +219,20 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
         let (cpu, pixels) = random_tower(image_size, (128, 512, 2), 96, 5);
         pipeline::vision_gpu::coop_fits(cpu.config()).unwrap();
         let want = cpu.encode(&pixels).unwrap();
-        for coop_block_rows in [64, 128] {
+        // Every blocking the README measures (rows past m, as at 64 patches, are clamped).
+        for tile in [
+            "64x64/2x2",
+            "64x64/2x2/p2",
+            "128x64/2x2",
+            "64x128/2x4",
+            "128x128/4x4",
+            "128x128/4x2/p2",
+            "64x64/2x2/p4",
+            "128x128/4x2/p4",
+        ] {
+            let coop_tile = Some(pipeline::vision_gpu::CoopTile::parse(tile).unwrap());
             let options = pipeline::vision_gpu::GpuVisionOptions {
-                coop_block_rows,
+                coop_tile,
                 ..options
             };
             let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
@@ -232,11 +243,11 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
             );
             let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
             let rel = rel_diff(&got, &want);
-            eprintln!("coop encoder ({image_size}px, {coop_block_rows}-row blocks) vs CPU: {rel}");
+            eprintln!("coop encoder ({image_size}px, {tile} blocks) vs CPU: {rel}");
             // f16 weights and activations (11-bit mantissas), f32 accumulation.
             assert!(
                 rel < 2e-2,
-                "coop encoder ({image_size}px, {coop_block_rows}-row blocks) differs from the \
+                "coop encoder ({image_size}px, {tile} blocks) differs from the \
                  CPU reference by {rel}"
             );
         }
@@ -253,19 +264,25 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                 .unwrap()
                 .encode(&pixels)
                 .unwrap();
-            let options = pipeline::vision_gpu::GpuVisionOptions {
-                mx_weights: Some(format),
-                ..options
-            };
-            let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-            assert_eq!(gpu.options().gemm, GemmKernel::Coop);
-            let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
-            let rel = rel_diff(&got, &want);
-            eprintln!("coop encoder ({image_size}px, {format:?} weights) vs CPU: {rel}");
-            assert!(
-                rel < 2e-2,
-                "coop encoder with {format:?} weights differs by {rel}"
-            );
+            // The default blockings, and the wide one forced (the tower is too small for it).
+            for coop_tile in [None, Some(pipeline::vision_gpu::CoopTile::WIDE)] {
+                let options = pipeline::vision_gpu::GpuVisionOptions {
+                    mx_weights: Some(format),
+                    coop_tile,
+                    ..options
+                };
+                let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+                assert_eq!(gpu.options().gemm, GemmKernel::Coop);
+                let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+                let rel = rel_diff(&got, &want);
+                eprintln!(
+                    "coop encoder ({image_size}px, {format:?} weights, {coop_tile:?}) vs CPU: {rel}"
+                );
+                assert!(
+                    rel < 2e-2,
+                    "coop encoder with {format:?} weights ({coop_tile:?}) differs by {rel}"
+                );
+            }
         }
     }
 }
@@ -531,7 +548,7 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
         let options = GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::PerQuery,
-            coop_block_rows: 0,
+            coop_tile: None,
             mx_weights: Some(format),
         };
         let gpu =
@@ -570,7 +587,7 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
     let options = GpuVisionOptions {
         gemm: GemmKernel::RegisterF16,
         attention: AttentionKernel::PerQuery,
-        coop_block_rows: 0,
+        coop_tile: None,
         mx_weights: None,
     };
     let gpu =
@@ -600,25 +617,25 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
         GpuVisionOptions {
             gemm: GemmKernel::Small,
             attention: AttentionKernel::PerQuery,
-            coop_block_rows: 0,
+            coop_tile: None,
             mx_weights: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
             attention: AttentionKernel::Tiled,
-            coop_block_rows: 0,
+            coop_tile: None,
             mx_weights: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::PerQuery,
-            coop_block_rows: 0,
+            coop_tile: None,
             mx_weights: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::Tiled,
-            coop_block_rows: 0,
+            coop_tile: None,
             mx_weights: None,
         },
     ] {
@@ -687,7 +704,7 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
         let options = GpuVisionOptions {
             gemm,
             attention,
-            coop_block_rows: 0,
+            coop_tile: None,
             mx_weights: None,
         };
         let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);

@@ -16,27 +16,33 @@ enable wgpu_cooperative_matrix;
 // ---------------------------------------------------------------------------------------------
 // GEMM: y[m][n] (op)= x[m][k] . w[n][k] (+ b[n]), x and w f16.
 //
-// A workgroup computes a BM x 64 block of y with (BM / 32) x 2 subgroups, each a 32x32 block
-// as 2x2 tiles of 16x16. K advances 32 at a time through workgroup memory, double-buffered:
-// every invocation fetches its share of the next x and w tiles (8-byte vector loads, coalesced
-// along k) into registers while the subgroups multiply the current ones, then stores them into
-// the other buffer; one barrier per step. (With cooperative loads straight from the storage
-// buffers instead, the GEMMs took 5.9 against 3.7 ms per image on an H200.) The epilogue (bias,
-// GELU, residual, f16 conversion) goes through a 16x16 workgroup scratch per subgroup.
+// A workgroup computes a BM x BN block of y with (BM / (16 TM)) x (BN / (16 TN)) subgroups,
+// each a 16 TM x 16 TN block as TM x TN tiles of 16x16 (vision_gpu.rs sets the five tile
+// constants below and writes the accumulators, the products and the epilogue for TM x TN
+// where the markers stand). K advances 32 at a time through workgroup memory,
+// double-buffered: every invocation fetches its share of the next x and w tiles (8-byte
+// vector loads, coalesced along k) into registers while the subgroups multiply the current
+// ones, then stores them into the other buffer; one barrier per step. (With cooperative loads
+// straight from the storage buffers instead, the GEMMs took 5.9 against 3.7 ms per image on an
+// H200.) The epilogue (bias, GELU, residual, f16 conversion) goes through a 16x16 workgroup
+// scratch per subgroup.
 //
 // Contract: n even, k a multiple of 4 (any m); x holds m*k, w n*k, b n (when flagged) and y
 // m*n values (f32, or f16 pairs packed into u32s with flag 8). Rows past m or n are clamped
 // onto the last one (their results are never written), k past its end reads as zeros.
 
-const BM: u32 = 64u; // substituted: rows of y per workgroup, 64 or 128
-const BN: u32 = 64u;
+const BM: u32 = 64u; // substituted: rows of y per workgroup
+const BN: u32 = 64u; // substituted: columns of y per workgroup
+const TM: u32 = 2u; // substituted: 16-row tiles per subgroup
+const TN: u32 = 2u; // substituted: 16-column tiles per subgroup
+const SGN: u32 = 2u; // substituted: subgroups across BN (= BN / (16 TN))
 const BK: u32 = 32u;
 // Tiles are held as vec4<f16>: cooperative loads take their offsets and strides in units of
 // the pointee type. A staged row is BK + 8 f16s: 16-byte aligned, and the 8 rows a tile load
 // touches at once fall on distinct banks.
 const LDT: u32 = BK / 4u + 2u;
 const ROW_VECS: u32 = BK / 4u;
-const GEMM_THREADS: u32 = (BM / 32u) * (BN / 32u) * 32u;
+const GEMM_THREADS: u32 = (BM / (16u * TM)) * SGN * 32u;
 const A_TILE: u32 = BM * LDT;
 const B_TILE: u32 = BN * LDT;
 const A_PER_THREAD: u32 = BM * ROW_VECS / GEMM_THREADS;
@@ -125,6 +131,32 @@ fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32)
     workgroupBarrier();
 }
 
+// One k step's tiles of x and w for this invocation (its share, in registers).
+struct Staged { a: array<vec4<f16>, A_PER_THREAD>, b: array<WRaw, B_PER_THREAD> };
+
+fn fetch_step(tid: u32, row0: u32, col0: u32, t: u32) -> Staged {
+    var s: Staged;
+    for (var i = 0u; i < A_PER_THREAD; i++) {
+        s.a[i] = fetch_x(tid + i * GEMM_THREADS, row0, t);
+    }
+    for (var i = 0u; i < B_PER_THREAD; i++) {
+        s.b[i] = fetch_w(tid + i * GEMM_THREADS, col0, t);
+    }
+    return s;
+}
+
+// Stores a fetched step into staging buffer `buf` (weights decoded on the way).
+fn stage_step(s: Staged, tid: u32, buf: u32) {
+    for (var i = 0u; i < A_PER_THREAD; i++) {
+        let e = tid + i * GEMM_THREADS;
+        ta[buf * A_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = s.a[i];
+    }
+    for (var i = 0u; i < B_PER_THREAD; i++) {
+        let e = tid + i * GEMM_THREADS;
+        tb[buf * B_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = w_decode(s.b[i]);
+    }
+}
+
 @compute @workgroup_size(GEMM_THREADS, 1, 1)
 fn gemm_coop(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -135,63 +167,14 @@ fn gemm_coop(
     let row0 = wid.y * BM;
     let col0 = wid.x * BN;
     let steps = (gp.k + BK - 1u) / BK;
-    // This subgroup's 32x32 block of the workgroup's.
-    let sr = sg / 2u;
-    let sc = sg % 2u;
-    var c00 = coop_mat16x16<f32, C>();
-    var c01 = c00;
-    var c10 = c00;
-    var c11 = c00;
-    var ra: array<vec4<f16>, A_PER_THREAD>;
-    var rb: array<WRaw, B_PER_THREAD>;
-    for (var i = 0u; i < A_PER_THREAD; i++) {
-        ra[i] = fetch_x(tid + i * GEMM_THREADS, row0, 0u);
-    }
-    for (var i = 0u; i < B_PER_THREAD; i++) {
-        rb[i] = fetch_w(tid + i * GEMM_THREADS, col0, 0u);
-    }
-    for (var step = 0u; step < steps; step++) {
-        let buf = step % 2u;
-        // Stage this step's tiles (fetched during the previous step). The buffer was last read
-        // two steps ago, before the previous step's barrier.
-        for (var i = 0u; i < A_PER_THREAD; i++) {
-            let e = tid + i * GEMM_THREADS;
-            ta[buf * A_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = ra[i];
-        }
-        for (var i = 0u; i < B_PER_THREAD; i++) {
-            let e = tid + i * GEMM_THREADS;
-            tb[buf * B_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = w_decode(rb[i]);
-        }
-        workgroupBarrier();
-        if (step + 1u < steps) {
-            // The next step's tiles, in flight while this step multiplies.
-            let t = (step + 1u) * BK;
-            for (var i = 0u; i < A_PER_THREAD; i++) {
-                ra[i] = fetch_x(tid + i * GEMM_THREADS, row0, t);
-            }
-            for (var i = 0u; i < B_PER_THREAD; i++) {
-                rb[i] = fetch_w(tid + i * GEMM_THREADS, col0, t);
-            }
-        }
-        let abase = buf * A_TILE + sr * 32u * LDT;
-        let bbase = buf * B_TILE + sc * 32u * LDT;
-        for (var kk = 0u; kk < ROW_VECS; kk += 4u) {
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&ta[abase + kk], LDT);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&ta[abase + 16u * LDT + kk], LDT);
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&tb[bbase + kk], LDT);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&tb[bbase + 16u * LDT + kk], LDT);
-            c00 = coopMultiplyAdd(a0, b0, c00);
-            c01 = coopMultiplyAdd(a0, b1, c01);
-            c10 = coopMultiplyAdd(a1, b0, c10);
-            c11 = coopMultiplyAdd(a1, b1, c11);
-        }
-    }
-    let r0 = row0 + sr * 32u;
-    let c0 = col0 + sc * 32u;
-    finish_tile(c00, sg, lane, r0, c0);
-    finish_tile(c01, sg, lane, r0, c0 + 16u);
-    finish_tile(c10, sg, lane, r0 + 16u, c0);
-    finish_tile(c11, sg, lane, r0 + 16u, c0 + 16u);
+    // This subgroup's 16 TM x 16 TN block of the workgroup's.
+    let sr = sg / SGN;
+    let sc = sg % SGN;
+    // <accumulators>
+    // <k-loop>
+    let r0 = row0 + sr * 16u * TM;
+    let c0 = col0 + sc * 16u * TN;
+    // <epilogue>
 }
 
 // ---------------------------------------------------------------------------------------------
