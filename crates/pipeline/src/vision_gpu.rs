@@ -303,7 +303,8 @@ pub enum GemmKernel {
 
 /// The device features the tensor-core kernels need, if `adapter` offers them: f16 shaders,
 /// subgroups of exactly 32 invocations (the kernels give each subgroup a fixed share of a
-/// workgroup) and cooperative matrices with a 16x16x16 f16 x f16 -> f32 configuration.
+/// workgroup) with subgroup barriers, and cooperative matrices with a 16x16x16 f16 x f16 -> f32
+/// configuration.
 /// Request them when opening the device, with experimental features enabled.
 pub fn coop_features(adapter: &wgpu::Adapter) -> Option<wgpu::Features> {
     let wanted = COOP_FEATURES;
@@ -317,14 +318,16 @@ pub fn coop_features(adapter: &wgpu::Adapter) -> Option<wgpu::Features> {
     (adapter.features().contains(wanted) && shape && subgroups_of_32).then_some(wanted)
 }
 
-/// Workgroup memory the tensor-core kernels declare at most: attention's staged K and V
-/// (2 x 64 x 18 vec4<f16>) and 4 subgroups' scores (f32) and probabilities (f16), 16 x 64 each.
-/// Devices that offer less run the f32 kernels.
-const COOP_WORKGROUP_BYTES: u32 = 2 * 64 * 18 * 8 + 4 * 1024 * 4 + 4 * 1024 * 2;
+/// Workgroup memory the tensor-core attention declares: its staged K and V (2 x 64 x 18
+/// vec4<f16>) and 4 subgroups' scores (f32) and probabilities (f16), 16 rows of 72 each.
+/// Devices that offer less run the f32 kernels. (The GEMM's needs are checked per blocking,
+/// `CoopTile::workgroup_bytes`.)
+const COOP_WORKGROUP_BYTES: u32 = 2 * 64 * 18 * 8 + 4 * 16 * 72 * 4 + 4 * 16 * 72 * 2;
 
 /// What [`coop_features`] asks for.
 const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::SUBGROUP)
+    .union(wgpu::Features::SUBGROUP_BARRIER)
     .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
 
 /// The tensor-core GEMM's blocking (`gemm_coop`, vit_coop.wgsl): a workgroup computes a

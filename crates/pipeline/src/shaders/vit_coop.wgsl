@@ -6,6 +6,13 @@
 // substitutes the two tile constants marked below and, for MX weights, the GEMM's weight
 // source (<w-source>).
 //
+// Scratch that one subgroup writes and reads (the GEMM epilogue's, attention's scores and
+// probabilities) is handed between its lanes with subgroupBarrier, not workgroupBarrier, so
+// that subgroups do not wait for each other. naga emits it as OpControlBarrier with subgroup
+// scope and subgroup-memory semantics; NVIDIA's driver makes it a warp barrier, which orders
+// shared memory among the warp's threads. That ordering is what the kernels rely on, and the
+// device-test `the_coop_matrix_encoder_matches_the_cpu_reference` checks it on each GPU run.
+//
 // Every kernel here trusts its parameters: the module is compiled without runtime bounds
 // checks, so vision_gpu.rs validates each dispatch's sizes against its buffers (the contract
 // of each kernel says what it needs).
@@ -101,11 +108,12 @@ fn fetch_w(e: u32, col0: u32, t: u32) -> WRaw {
 }
 
 // The epilogue of one 16x16 accumulator tile at (r0, c0) of y, through the subgroup's
-// scratch: lane l finishes columns 2 (l % 8) and 2 (l % 8) + 1 of rows 4 (l / 8) .. + 4, so each
+// scratch (subgroup barriers suffice: no other subgroup touches it; see the note on
+// subgroupBarrier at the top): lane l finishes columns 2 (l % 8) and 2 (l % 8) + 1 of rows 4 (l / 8) .. + 4, so each
 // step's reads fall on distinct bank pairs and 8 lanes write one contiguous row segment.
 fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32) {
     coopStoreT(acc, &tc[sg * 256u], 16u);
-    workgroupBarrier();
+    subgroupBarrier();
     let pair = (lane % 8u) * 2u;
     let col = c0 + pair;
     let flags = gp.flags;
@@ -128,7 +136,7 @@ fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32)
             }
         }
     }
-    workgroupBarrier();
+    subgroupBarrier();
 }
 
 // One k step's tiles of x and w for this invocation (its share, in registers).
@@ -259,8 +267,12 @@ struct AttnParams { n: u32, heads: u32, hd: u32, h: u32, scale_log2: f32, p0: u3
 
 var<workgroup> kv_k: array<vec4<f16>, 64u * LDK>;
 var<workgroup> kv_v: array<vec4<f16>, 64u * LDK>;
-var<workgroup> s_ws: array<f32, QSUB * 1024u>; // per subgroup: 16 x 64 scores, then P V
-var<workgroup> p_ws: array<f16, QSUB * 1024u>; // per subgroup: 16 x 64 probabilities
+// Per subgroup, 16 rows of LDS: the 16 x 64 scores, then P V (f32), and the probabilities
+// (f16). Rows are 64 + 8 values apart, so the 8 rows an accumulator store or a tile load
+// touches at once fall on distinct banks (at 64 they all hit the same 8 banks).
+const LDS: u32 = 72u;
+var<workgroup> s_ws: array<f32, QSUB * 16u * LDS>;
+var<workgroup> p_ws: array<f16, QSUB * 16u * LDS>;
 
 const ATT_THREADS: u32 = QSUB * 32u;
 // K and V vectors of one 64-key block (head_dim 64) per invocation.
@@ -299,11 +311,14 @@ fn attention_coop(
     // Lane pair (2r, 2r + 1) owns query row r's softmax: its running max and sum.
     let r = lane / 2u;
     let half = lane % 2u;
+    // Lane l visits its 32 keys starting at rot: with rows LDS apart, each step's 32 reads then
+    // fall on banks (j + l) % 32, all distinct.
+    let rot = (lane + 32u - (8u * r) % 32u) % 32u;
     var m_run = -3.0e38;
     var l_run = 0.0;
     var o: array<f32, 32>;
     for (var j = 0u; j < 32u; j++) { o[j] = 0.0; }
-    let ws = sg * 1024u;
+    let ws = sg * 16u * LDS;
     var rk: array<vec4<f16>, KV_PER_THREAD>;
     var rv: array<vec4<f16>, KV_PER_THREAD>;
     for (var i = 0u; i < KV_PER_THREAD; i++) {
@@ -346,23 +361,23 @@ fn attention_coop(
             s2 = coopMultiplyAdd(qd, coopLoad<coop_mat16x16<f16, B>>(&kv_k[32u * LDK + 12u], LDK), s2);
             s3 = coopMultiplyAdd(qd, coopLoad<coop_mat16x16<f16, B>>(&kv_k[48u * LDK + 12u], LDK), s3);
         }
-        coopStoreT(s0, &s_ws[ws], 64u);
-        coopStoreT(s1, &s_ws[ws + 16u], 64u);
-        coopStoreT(s2, &s_ws[ws + 32u], 64u);
-        coopStoreT(s3, &s_ws[ws + 48u], 64u);
-        workgroupBarrier();
-        // Online softmax: this lane's 32 keys of row r, the pair combined by a shuffle. Lanes
-        // visit their keys in a rotated order, so each step's 32 reads hit 32 banks.
-        let base = ws + r * 64u + half * 32u;
+        coopStoreT(s0, &s_ws[ws], LDS);
+        coopStoreT(s1, &s_ws[ws + 16u], LDS);
+        coopStoreT(s2, &s_ws[ws + 32u], LDS);
+        coopStoreT(s3, &s_ws[ws + 48u], LDS);
+        subgroupBarrier();
+        // Online softmax: this lane's 32 keys of row r, the pair combined by a shuffle, visited
+        // from `rot` on so each step's 32 reads hit 32 banks.
+        let base = ws + r * LDS + half * 32u;
         var mx = -3.0e38;
         for (var j = 0u; j < 32u; j++) {
-            mx = max(mx, s_ws[base + (j + lane) % 32u]);
+            mx = max(mx, s_ws[base + (j + rot) % 32u]);
         }
         mx = max(mx, subgroupShuffleXor(mx, 1u));
         let m_new = max(m_run, mx * ap.scale_log2);
         var sum = 0.0;
         for (var j = 0u; j < 32u; j++) {
-            let at = base + (j + lane) % 32u;
+            let at = base + (j + rot) % 32u;
             let p = exp2(s_ws[at] * ap.scale_log2 - m_new);
             sum += p;
             p_ws[at] = f16(p);
@@ -371,11 +386,11 @@ fn attention_coop(
         let alpha = exp2(m_run - m_new);
         l_run = l_run * alpha + sum;
         m_run = m_new;
-        workgroupBarrier();
-        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws], 64u);
-        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 16u], 64u);
-        let p2 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 32u], 64u);
-        let p3 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 48u], 64u);
+        subgroupBarrier();
+        let p0 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws], LDS);
+        let p1 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 16u], LDS);
+        let p2 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 32u], LDS);
+        let p3 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 48u], LDS);
         // P V, 16 dimensions at a time: B = V, row-major (a row is one key's values).
         for (var dt = 0u; dt < hd; dt += 16u) {
             let d4 = dt / 4u;
@@ -383,7 +398,7 @@ fn attention_coop(
             acc = coopMultiplyAdd(p1, coopLoadT<coop_mat16x16<f16, B>>(&kv_v[16u * LDK + d4], LDK), acc);
             acc = coopMultiplyAdd(p2, coopLoadT<coop_mat16x16<f16, B>>(&kv_v[32u * LDK + d4], LDK), acc);
             acc = coopMultiplyAdd(p3, coopLoadT<coop_mat16x16<f16, B>>(&kv_v[48u * LDK + d4], LDK), acc);
-            coopStoreT(acc, &s_ws[ws + dt], 64u);
+            coopStoreT(acc, &s_ws[ws + dt], LDS);
         }
         workgroupBarrier();
         // Lane l accumulates output columns 2l and 2l + 1 of all 16 rows (o[2 row], o[2 row + 1]);
@@ -391,7 +406,7 @@ fn attention_coop(
         for (var row = 0u; row < 16u; row++) {
             let a = subgroupShuffle(alpha, row * 2u);
             if (2u * lane < hd) {
-                let at = ws + row * 64u + 2u * lane;
+                let at = ws + row * LDS + 2u * lane;
                 o[2u * row] = o[2u * row] * a + s_ws[at];
                 o[2u * row + 1u] = o[2u * row + 1u] * a + s_ws[at + 1u];
             }
