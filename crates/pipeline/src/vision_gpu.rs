@@ -496,28 +496,74 @@ impl CoopTile {
                 );
             }
         }
+        // Each invocation's share of one k step's x and w tiles, in named registers
+        // `{set}_a{i}` and `{set}_b{i}` (not arrays, which a driver may leave in memory).
+        let threads = self.subgroups() * 32;
+        let (a_per, b_per) = (self.rows * 8 / threads, self.cols * 8 / threads);
+        let declare = |set: &str| {
+            let mut code = String::new();
+            for i in 0..a_per {
+                code += &format!("var {set}_a{i}: vec4<f16>;\n    ");
+            }
+            for i in 0..b_per {
+                code += &format!("var {set}_b{i}: WRaw;\n    ");
+            }
+            code
+        };
+        let fetch = |set: &str, t: &str| {
+            let mut code = String::new();
+            for i in 0..a_per {
+                code += &format!(
+                    "{set}_a{i} = fetch_x(tid + {i}u * GEMM_THREADS, row0, {t});\n        "
+                );
+            }
+            for i in 0..b_per {
+                code += &format!(
+                    "{set}_b{i} = fetch_w(tid + {i}u * GEMM_THREADS, col0, {t});\n        "
+                );
+            }
+            code
+        };
+        let stage = |set: &str, buf: &str| {
+            let mut code = String::new();
+            for i in 0..a_per {
+                code += &format!(
+                    "ta[{buf} * A_TILE + ((tid + {i}u * GEMM_THREADS) / ROW_VECS) * LDT + \
+                     (tid + {i}u * GEMM_THREADS) % ROW_VECS] = {set}_a{i};\n        "
+                );
+            }
+            for i in 0..b_per {
+                code += &format!(
+                    "tb[{buf} * B_TILE + ((tid + {i}u * GEMM_THREADS) / ROW_VECS) * LDT + \
+                     (tid + {i}u * GEMM_THREADS) % ROW_VECS] = w_decode({set}_b{i});\n        "
+                );
+            }
+            code
+        };
         // One k step: stage the registers `set` into buffer `buf`, refill them with the step
         // `ahead` of this one, multiply the staged tiles.
         let step = |set: &str, buf: &str, ahead: u32, guard: bool| {
-            let fetch = format!("{set} = fetch_step(tid, row0, col0, (step + {ahead}u) * BK);");
-            let fetch = if guard {
-                format!("if (step + {ahead}u < steps) {{\n            {fetch}\n        }}")
+            let refill = fetch(set, &format!("(step + {ahead}u) * BK"));
+            let refill = if guard {
+                format!("if (step + {ahead}u < steps) {{\n        {refill}}}\n        ")
             } else {
-                fetch
+                refill
             };
             format!(
-                "stage_step({set}, tid, {buf});\n        workgroupBarrier();\n        {fetch}\n        \
+                "{}workgroupBarrier();\n        {refill}\
                  {{\n        let abase = {buf} * A_TILE + sr * 16u * TM * LDT;\n        \
                  let bbase = {buf} * B_TILE + sc * 16u * TN * LDT;\n        \
-                 for (var kk = 0u; kk < ROW_VECS; kk += 4u) {{\n            {products}\n        }}\n        }}\n        "
+                 for (var kk = 0u; kk < ROW_VECS; kk += 4u) {{\n            {products}\n        }}\n        }}\n        ",
+                stage(set, buf)
             )
         };
         let k_loop = if self.prefetch == 1 {
             // One step in flight: buffers alternate by step.
             format!(
-                "var next = fetch_step(tid, row0, col0, 0u);\n    \
-                 for (var step = 0u; step < steps; step++) {{\n        \
+                "{}{}for (var step = 0u; step < steps; step++) {{\n        \
                  let buf = step % 2u;\n        {}}}\n",
+                declare("next"),
+                fetch("next", "0u"),
                 step("next", "buf", 1, true)
             )
         } else {
@@ -529,7 +575,8 @@ impl CoopTile {
             let n = self.prefetch;
             let mut code = String::new();
             for j in 0..n {
-                code += &format!("var s{j} = fetch_step(tid, row0, col0, {j}u * BK);\n    ");
+                code += &declare(&format!("s{j}"));
+                code += &fetch(&format!("s{j}"), &format!("{j}u * BK"));
             }
             code += &format!("for (var step = 0u; step < steps; step += {n}u) {{\n        ");
             for j in 0..n {
@@ -543,6 +590,61 @@ impl CoopTile {
             ("// <epilogue>", epilogue),
         ]
     }
+}
+
+/// The code for attention_coop's markers, written out with named registers (not arrays, which
+/// a driver may leave in memory): each invocation's share of a 64-key block of K and V
+/// (`rk{i}`, `rv{i}`: 64 x 16 vectors over QSUB x 32 invocations), and its two output columns
+/// of the subgroup's 16 query rows (`o{row}`).
+fn attention_code(query_subgroups: usize) -> [(&'static str, String); 6] {
+    let kv_per_thread = 64 * 16 / (query_subgroups * 32);
+    let mut registers = String::new();
+    let mut stage = String::new();
+    let mut refill = String::new();
+    for i in 0..kv_per_thread {
+        registers += &format!(
+            "var rk{i} = fetch_kv(1u, tid + {i}u * ATT_THREADS, 0u, col);\n    \
+             var rv{i} = fetch_kv(2u, tid + {i}u * ATT_THREADS, 0u, col);\n    "
+        );
+        stage += &format!(
+            "kv_k[((tid + {i}u * ATT_THREADS) / 16u) * LDK + (tid + {i}u * ATT_THREADS) % 16u] = rk{i};\n        \
+             kv_v[((tid + {i}u * ATT_THREADS) / 16u) * LDK + (tid + {i}u * ATT_THREADS) % 16u] = rv{i};\n        "
+        );
+        refill += &format!(
+            "rk{i} = fetch_kv(1u, tid + {i}u * ATT_THREADS, j0 + 64u, col);\n            \
+             rv{i} = fetch_kv(2u, tid + {i}u * ATT_THREADS, j0 + 64u, col);\n            "
+        );
+    }
+    let mut o_registers = String::new();
+    let mut update = String::new();
+    let mut write = String::new();
+    for row in 0..16 {
+        o_registers += &format!("var o{row} = vec2<f32>(0.0);\n    ");
+        // The shuffles stay outside the branch: every lane takes part in them.
+        update += &format!(
+            "{{\n        let a = subgroupShuffle(alpha, {}u);\n        \
+             if (2u * lane < hd) {{\n            \
+             let at = ws + {row}u * LDS + 2u * lane;\n            \
+             o{row} = o{row} * a + vec2<f32>(s_ws[at], s_ws[at + 1u]);\n        \
+             }}\n        }}\n        ",
+            2 * row
+        );
+        write += &format!(
+            "{{\n    let l = subgroupShuffle(l_run, {}u);\n    \
+             if (2u * lane < hd) {{\n        \
+             att_out[((q0 + {row}u) * h + col + 2u * lane) / 2u] = pack2x16float(o{row} / l);\n    \
+             }}\n    }}\n    ",
+            2 * row
+        );
+    }
+    [
+        ("// <kv-registers>", registers),
+        ("// <kv-stage>", stage),
+        ("// <kv-refill>", refill),
+        ("// <o-registers>", o_registers),
+        ("// <o-update>", update),
+        ("// <o-write>", write),
+    ]
 }
 
 /// The tensor-core module with its tile constants set (the GEMM's blocking, subgroups of 16
@@ -576,7 +678,11 @@ fn coop_source(tile: CoopTile, query_subgroups: usize, mx: Option<mx_quant::Elem
         ),
     ];
     let mut source = COOP_SHADER.to_string();
-    for (marker, code) in constants.into_iter().chain(tile.gemm_code()) {
+    for (marker, code) in constants
+        .into_iter()
+        .chain(tile.gemm_code())
+        .chain(attention_code(query_subgroups))
+    {
         assert!(source.contains(marker), "vit_coop.wgsl lacks {marker}");
         source = source.replace(marker, &code);
     }

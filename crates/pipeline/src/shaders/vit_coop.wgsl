@@ -52,8 +52,6 @@ const ROW_VECS: u32 = BK / 4u;
 const GEMM_THREADS: u32 = (BM / (16u * TM)) * SGN * 32u;
 const A_TILE: u32 = BM * LDT;
 const B_TILE: u32 = BN * LDT;
-const A_PER_THREAD: u32 = BM * ROW_VECS / GEMM_THREADS;
-const B_PER_THREAD: u32 = BN * ROW_VECS / GEMM_THREADS;
 
 struct GemmParams { m: u32, n: u32, k: u32, flags: u32 };
 // flags: 1 = add bias, 2 = tanh-GELU, 4 = add into y (f32 residual), 8 = write f16 pairs
@@ -137,32 +135,6 @@ fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32)
         }
     }
     subgroupBarrier();
-}
-
-// One k step's tiles of x and w for this invocation (its share, in registers).
-struct Staged { a: array<vec4<f16>, A_PER_THREAD>, b: array<WRaw, B_PER_THREAD> };
-
-fn fetch_step(tid: u32, row0: u32, col0: u32, t: u32) -> Staged {
-    var s: Staged;
-    for (var i = 0u; i < A_PER_THREAD; i++) {
-        s.a[i] = fetch_x(tid + i * GEMM_THREADS, row0, t);
-    }
-    for (var i = 0u; i < B_PER_THREAD; i++) {
-        s.b[i] = fetch_w(tid + i * GEMM_THREADS, col0, t);
-    }
-    return s;
-}
-
-// Stores a fetched step into staging buffer `buf` (weights decoded on the way).
-fn stage_step(s: Staged, tid: u32, buf: u32) {
-    for (var i = 0u; i < A_PER_THREAD; i++) {
-        let e = tid + i * GEMM_THREADS;
-        ta[buf * A_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = s.a[i];
-    }
-    for (var i = 0u; i < B_PER_THREAD; i++) {
-        let e = tid + i * GEMM_THREADS;
-        tb[buf * B_TILE + (e / ROW_VECS) * LDT + e % ROW_VECS] = w_decode(s.b[i]);
-    }
 }
 
 @compute @workgroup_size(GEMM_THREADS, 1, 1)
@@ -275,8 +247,6 @@ var<workgroup> s_ws: array<f32, QSUB * 16u * LDS>;
 var<workgroup> p_ws: array<f16, QSUB * 16u * LDS>;
 
 const ATT_THREADS: u32 = QSUB * 32u;
-// K and V vectors of one 64-key block (head_dim 64) per invocation.
-const KV_PER_THREAD: u32 = 64u * 16u / ATT_THREADS;
 
 // Vector `e` (row e / 16, vector e % 16) of the K (`part` 1) or V (`part` 2) block at key j0:
 // zeros past head_dim.
@@ -316,27 +286,14 @@ fn attention_coop(
     let rot = (lane + 32u - (8u * r) % 32u) % 32u;
     var m_run = -3.0e38;
     var l_run = 0.0;
-    var o: array<f32, 32>;
-    for (var j = 0u; j < 32u; j++) { o[j] = 0.0; }
+    // <o-registers>
     let ws = sg * 16u * LDS;
-    var rk: array<vec4<f16>, KV_PER_THREAD>;
-    var rv: array<vec4<f16>, KV_PER_THREAD>;
-    for (var i = 0u; i < KV_PER_THREAD; i++) {
-        rk[i] = fetch_kv(1u, tid + i * ATT_THREADS, 0u, col);
-        rv[i] = fetch_kv(2u, tid + i * ATT_THREADS, 0u, col);
-    }
+    // <kv-registers>
     for (var j0 = 0u; j0 < ap.n; j0 += 64u) {
-        for (var i = 0u; i < KV_PER_THREAD; i++) {
-            let e = tid + i * ATT_THREADS;
-            kv_k[(e / 16u) * LDK + e % 16u] = rk[i];
-            kv_v[(e / 16u) * LDK + e % 16u] = rv[i];
-        }
+        // <kv-stage>
         workgroupBarrier();
         if (j0 + 64u < ap.n) {
-            for (var i = 0u; i < KV_PER_THREAD; i++) {
-                rk[i] = fetch_kv(1u, tid + i * ATT_THREADS, j0 + 64u, col);
-                rv[i] = fetch_kv(2u, tid + i * ATT_THREADS, j0 + 64u, col);
-            }
+            // <kv-refill>
         }
         // S for keys j0 + 16t: B = K^T, column-major (a column is a row of K).
         var s0 = coopMultiplyAdd(qa, coopLoad<coop_mat16x16<f16, B>>(&kv_k[0], LDK), coop_mat16x16<f32, C>());
@@ -401,22 +358,9 @@ fn attention_coop(
             coopStoreT(acc, &s_ws[ws + dt], LDS);
         }
         workgroupBarrier();
-        // Lane l accumulates output columns 2l and 2l + 1 of all 16 rows (o[2 row], o[2 row + 1]);
+        // Lane l accumulates output columns 2l and 2l + 1 of all 16 rows (o{row}, a vec2);
         // row r's rescale factor comes from lane 2r.
-        for (var row = 0u; row < 16u; row++) {
-            let a = subgroupShuffle(alpha, row * 2u);
-            if (2u * lane < hd) {
-                let at = ws + row * LDS + 2u * lane;
-                o[2u * row] = o[2u * row] * a + s_ws[at];
-                o[2u * row + 1u] = o[2u * row + 1u] * a + s_ws[at + 1u];
-            }
-        }
+        // <o-update>
     }
-    for (var row = 0u; row < 16u; row++) {
-        let inv = 1.0 / subgroupShuffle(l_run, row * 2u);
-        if (2u * lane < hd) {
-            let at = ((q0 + row) * h + col + 2u * lane) / 2u;
-            att_out[at] = pack2x16float(vec2<f32>(o[2u * row], o[2u * row + 1u]) * inv);
-        }
-    }
+    // <o-write>
 }
