@@ -334,7 +334,9 @@ const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
 /// `rows x cols` block of y, split among subgroups that each hold `tiles_m x tiles_n`
 /// accumulator tiles of 16x16. Bigger subgroup blocks load fewer tiles from workgroup memory
 /// per product (TM + TN loads for TM x TN products); bigger workgroup blocks read less from
-/// memory per product but leave fewer workgroups to fill the GPU.
+/// memory per product but leave fewer workgroups to fill the GPU. Which is faster is measured,
+/// not derived: on the H200, 4x4 and 2x4 subgroup blocks were slower than 2x2 in 64x64 blocks at
+/// every batch (README, "Vision encoder").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CoopTile {
     pub rows: u32,
@@ -424,6 +426,11 @@ impl CoopTile {
         (self.rows / (16 * self.tiles_m)) * (self.cols / (16 * self.tiles_n))
     }
 
+    /// Invocations per workgroup (32 per subgroup).
+    fn threads(self) -> u32 {
+        self.subgroups() * 32
+    }
+
     /// Whether the kernel can be built with this blocking: whole subgroup blocks, 1 to 8
     /// subgroups, and each block's 32-wide k slice split evenly among the invocations.
     fn check(self) -> Result<(), String> {
@@ -444,7 +451,7 @@ impl CoopTile {
             && (1..=8).contains(&tiles_n)
             && rows.is_multiple_of(16 * tiles_m)
             && cols.is_multiple_of(16 * tiles_n);
-        let threads = if whole { self.subgroups() * 32 } else { 0 };
+        let threads = if whole { self.threads() } else { 0 };
         if !whole
             || !(1..=8).contains(&self.subgroups())
             || !(rows * 8).is_multiple_of(threads)
@@ -460,7 +467,8 @@ impl CoopTile {
     }
 
     /// Workgroup memory `gemm_coop` declares with this blocking: two staged x and w tiles of
-    /// rows (cols) x 40 f16s, and a 16x16 f32 scratch per subgroup.
+    /// rows (cols) x 40 f16s (BK = 32 plus 8 of padding: LDT = 10 vec4s), and a 16x16 f32
+    /// scratch per subgroup.
     fn workgroup_bytes(self) -> u32 {
         2 * (self.rows + self.cols) * 10 * 8 + self.subgroups() * 1024
     }
@@ -498,7 +506,8 @@ impl CoopTile {
         }
         // Each invocation's share of one k step's x and w tiles, in named registers
         // `{set}_a{i}` and `{set}_b{i}` (not arrays, which a driver may leave in memory).
-        let threads = self.subgroups() * 32;
+        // A k step is BK = 32 columns, ROW_VECS = 8 vectors per row.
+        let threads = self.threads();
         let (a_per, b_per) = (self.rows * 8 / threads, self.cols * 8 / threads);
         let declare = |set: &str| {
             let mut code = String::new();
@@ -983,7 +992,12 @@ impl GpuVisionEncoder {
         let coop = options.gemm == GemmKernel::Coop;
         // The blockings to build: a forced one, or SMALL plus WIDE where the device has the
         // workgroup memory for WIDE.
-        let workgroup_limit = device.limits().max_compute_workgroup_storage_size;
+        let limits = device.limits();
+        let fits = |tile: &CoopTile| {
+            tile.workgroup_bytes() <= limits.max_compute_workgroup_storage_size
+                && tile.threads() <= limits.max_compute_invocations_per_workgroup
+                && tile.threads() <= limits.max_compute_workgroup_size_x
+        };
         let coop_gemms = match options.coop_tile {
             Some(tile) => CoopGemms {
                 base: tile,
@@ -991,16 +1005,21 @@ impl GpuVisionEncoder {
             },
             None => CoopGemms {
                 base: CoopTile::SMALL,
-                wide: Some(CoopTile::WIDE).filter(|wide| wide.workgroup_bytes() <= workgroup_limit),
+                wide: Some(CoopTile::WIDE).filter(fits),
             },
         };
         let tile = coop_gemms.base;
         tile.check().map_err(GpuVisionError::Invalid)?;
-        if coop && workgroup_limit < tile.workgroup_bytes() {
+        if coop && !fits(&tile) {
             return Err(GpuVisionError::Invalid(format!(
-                "the tensor-core GEMM tile {tile:?} needs {} bytes of workgroup memory; the \
-                 device offers {workgroup_limit}",
+                "the tensor-core GEMM tile {tile:?} needs {} bytes of workgroup memory and {} \
+                 invocations per workgroup; the device offers {} and {}",
                 tile.workgroup_bytes(),
+                tile.threads(),
+                limits.max_compute_workgroup_storage_size,
+                limits
+                    .max_compute_invocations_per_workgroup
+                    .min(limits.max_compute_workgroup_size_x),
             )));
         }
         if !coop {
