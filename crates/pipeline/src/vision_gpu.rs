@@ -303,8 +303,7 @@ pub enum GemmKernel {
 
 /// The device features the tensor-core kernels need, if `adapter` offers them: f16 shaders,
 /// subgroups of exactly 32 invocations (the kernels give each subgroup a fixed share of a
-/// workgroup) with subgroup barriers, and cooperative matrices with a 16x16x16 f16 x f16 -> f32
-/// configuration.
+/// workgroup) and cooperative matrices with a 16x16x16 f16 x f16 -> f32 configuration.
 /// Request them when opening the device, with experimental features enabled.
 pub fn coop_features(adapter: &wgpu::Adapter) -> Option<wgpu::Features> {
     let wanted = COOP_FEATURES;
@@ -327,7 +326,6 @@ const COOP_WORKGROUP_BYTES: u32 = 2 * 64 * 18 * 8 + 4 * 16 * 72 * 4 + 4 * 16 * 7
 /// What [`coop_features`] asks for.
 const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::SUBGROUP)
-    .union(wgpu::Features::SUBGROUP_BARRIER)
     .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
 
 /// The tensor-core GEMM's blocking (`gemm_coop`, vit_coop.wgsl): a workgroup computes a

@@ -3,15 +3,15 @@
 // f32 accumulation and an f32 residual stream. Built only on devices with SHADER_F16,
 // SUBGROUP, EXPERIMENTAL_COOPERATIVE_MATRIX, a 16x16x16 f16 -> f32 configuration and a fixed
 // subgroup size of 32; vision_gpu.rs checks all of that, and before it compiles this module
-// substitutes the two tile constants marked below and, for MX weights, the GEMM's weight
-// source (<w-source>).
+// substitutes the tile constants marked below, writes out the code at the `// <...>` markers
+// (the GEMM's blocking and k loop, attention's registers) and, for MX weights, swaps the GEMM's
+// weight source (<w-source>).
 //
 // Scratch that one subgroup writes and reads (the GEMM epilogue's, attention's scores and
-// probabilities) is handed between its lanes with subgroupBarrier, not workgroupBarrier, so
-// that subgroups do not wait for each other. naga emits it as OpControlBarrier with subgroup
-// scope and subgroup-memory semantics; NVIDIA's driver makes it a warp barrier, which orders
-// shared memory among the warp's threads. That ordering is what the kernels rely on, and the
-// device-test `the_coop_matrix_encoder_matches_the_cpu_reference` checks it on each GPU run.
+// probabilities) is still handed between its lanes with workgroupBarrier. subgroupBarrier would
+// let subgroups run apart (0.5-1% faster per image on an H200, README), but naga emits it with
+// subgroup-memory semantics, which Vulkan's memory model ignores: it would not order the
+// lanes' workgroup-memory accesses.
 //
 // Every kernel here trusts its parameters: the module is compiled without runtime bounds
 // checks, so vision_gpu.rs validates each dispatch's sizes against its buffers (the contract
@@ -27,9 +27,10 @@ enable wgpu_cooperative_matrix;
 // each a 16 TM x 16 TN block as TM x TN tiles of 16x16 (vision_gpu.rs sets the five tile
 // constants below and writes the accumulators, the products and the epilogue for TM x TN
 // where the markers stand). K advances 32 at a time through workgroup memory,
-// double-buffered: every invocation fetches its share of the next x and w tiles (8-byte
-// vector loads, coalesced along k) into registers while the subgroups multiply the current
-// ones, then stores them into the other buffer; one barrier per step. (With cooperative loads
+// double-buffered: every invocation keeps its share of the x and w tiles of the next
+// CoopTile::prefetch steps in flight (8-byte vector loads, coalesced along k, into named
+// registers) while the subgroups multiply the current step, and stores each into a buffer
+// just before its step; one barrier per step. (With cooperative loads
 // straight from the storage buffers instead, the GEMMs took 5.9 against 3.7 ms per image on an
 // H200.) The epilogue (bias, GELU, residual, f16 conversion) goes through a 16x16 workgroup
 // scratch per subgroup.
@@ -106,12 +107,11 @@ fn fetch_w(e: u32, col0: u32, t: u32) -> WRaw {
 }
 
 // The epilogue of one 16x16 accumulator tile at (r0, c0) of y, through the subgroup's
-// scratch (subgroup barriers suffice: no other subgroup touches it; see the note on
-// subgroupBarrier at the top): lane l finishes columns 2 (l % 8) and 2 (l % 8) + 1 of rows 4 (l / 8) .. + 4, so each
+// scratch: lane l finishes columns 2 (l % 8) and 2 (l % 8) + 1 of rows 4 (l / 8) .. + 4, so each
 // step's reads fall on distinct bank pairs and 8 lanes write one contiguous row segment.
 fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32) {
     coopStoreT(acc, &tc[sg * 256u], 16u);
-    subgroupBarrier();
+    workgroupBarrier();
     let pair = (lane % 8u) * 2u;
     let col = c0 + pair;
     let flags = gp.flags;
@@ -134,7 +134,7 @@ fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32)
             }
         }
     }
-    subgroupBarrier();
+    workgroupBarrier();
 }
 
 @compute @workgroup_size(GEMM_THREADS, 1, 1)
@@ -322,7 +322,7 @@ fn attention_coop(
         coopStoreT(s1, &s_ws[ws + 16u], LDS);
         coopStoreT(s2, &s_ws[ws + 32u], LDS);
         coopStoreT(s3, &s_ws[ws + 48u], LDS);
-        subgroupBarrier();
+        workgroupBarrier();
         // Online softmax: this lane's 32 keys of row r, the pair combined by a shuffle, visited
         // from `rot` on so each step's 32 reads hit 32 banks.
         let base = ws + r * LDS + half * 32u;
@@ -343,7 +343,7 @@ fn attention_coop(
         let alpha = exp2(m_run - m_new);
         l_run = l_run * alpha + sum;
         m_run = m_new;
-        subgroupBarrier();
+        workgroupBarrier();
         let p0 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws], LDS);
         let p1 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 16u], LDS);
         let p2 = coopLoadT<coop_mat16x16<f16, A>>(&p_ws[ws + 32u], LDS);
