@@ -383,40 +383,33 @@ impl CoopTile {
 
     /// `ROWSxCOLS/TMxTN[/pN]`, e.g. `128x128/4x2` or `128x128/4x2/p2`.
     pub fn parse(text: &str) -> Result<CoopTile, String> {
-        let (text_tile, prefetch) = match text.rsplit_once("/p") {
-            Some((tile, n)) => (
-                tile,
-                n.parse().map_err(|_| {
-                    format!("tensor-core GEMM tile {text:?}: /pN takes 1, 2, 4 or 8")
-                })?,
-            ),
-            None => (text, 1),
-        };
-        let mut tile = Self::parse_blocking(text_tile).map_err(|e| e.replace(text_tile, text))?;
-        tile.prefetch = prefetch;
-        tile.check().map_err(|e| e.replace(text_tile, text))?;
-        Ok(tile)
-    }
-
-    fn parse_blocking(text: &str) -> Result<CoopTile, String> {
         let pair = |part: &str| -> Option<(u32, u32)> {
             let (a, b) = part.split_once('x')?;
             Some((a.parse().ok()?, b.parse().ok()?))
         };
-        let (block, tiles) = text
-            .split_once('/')
-            .ok_or_else(|| format!("tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN"))?;
-        let ((rows, cols), (tiles_m, tiles_n)) = pair(block)
-            .zip(pair(tiles))
-            .ok_or_else(|| format!("tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN"))?;
+        let mut parts = text.split('/');
+        let block = parts.next().and_then(pair);
+        let tiles = parts.next().and_then(pair);
+        let prefetch = match parts.next() {
+            None => Some(1),
+            Some(p) => p.strip_prefix('p').and_then(|n| n.parse().ok()),
+        };
+        let (Some((rows, cols)), Some((tiles_m, tiles_n)), Some(prefetch), None) =
+            (block, tiles, prefetch, parts.next())
+        else {
+            return Err(format!(
+                "tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN or ROWSxCOLS/TMxTN/pN"
+            ));
+        };
         let tile = CoopTile {
             rows,
             cols,
             tiles_m,
             tiles_n,
-            prefetch: 1,
+            prefetch,
         };
-        tile.check()?;
+        tile.check()
+            .map_err(|why| format!("tensor-core GEMM tile {text:?}: {why}"))?;
         Ok(tile)
     }
 
@@ -441,8 +434,7 @@ impl CoopTile {
         } = self;
         if ![1, 2, 4, 8].contains(&prefetch) {
             return Err(format!(
-                "tensor-core GEMM tile {rows}x{cols}/{tiles_m}x{tiles_n}/p{prefetch}: 1, 2, 4 or \
-                 8 k steps can be in flight"
+                "1, 2, 4 or 8 k steps can be in flight, not {prefetch}"
             ));
         }
         let whole = (1..=8).contains(&tiles_m)
@@ -456,9 +448,9 @@ impl CoopTile {
             || !(cols * 8).is_multiple_of(threads)
         {
             return Err(format!(
-                "tensor-core GEMM tile {rows}x{cols}/{tiles_m}x{tiles_n}: the block must split \
-                 into 1 to 8 subgroups of {tiles_m}x{tiles_n} 16x16 tiles (1 to 8 each way) \
-                 whose invocations share each 32-wide k slice evenly"
+                "a {rows}x{cols} block must split into 1 to 8 subgroups of {tiles_m}x{tiles_n} \
+                 16x16 tiles (1 to 8 each way) whose invocations share each 32-wide k slice \
+                 evenly"
             ));
         }
         Ok(())
@@ -548,14 +540,10 @@ impl CoopTile {
             code
         };
         // One k step: stage the registers `set` into buffer `buf`, refill them with the step
-        // `ahead` of this one, multiply the staged tiles.
-        let step = |set: &str, buf: &str, ahead: u32, guard: bool| {
+        // `ahead` of this one, multiply the staged tiles. Steps at or past k fetch zeros
+        // (`fetch_x`, `fetch_w`), so the refill needs no branch.
+        let step = |set: &str, buf: &str, ahead: u32| {
             let refill = fetch(set, &format!("(step + {ahead}u) * BK"));
-            let refill = if guard {
-                format!("if (step + {ahead}u < steps) {{\n        {refill}}}\n        ")
-            } else {
-                refill
-            };
             format!(
                 "{}workgroupBarrier();\n        {refill}\
                  {{\n        let abase = {buf} * A_TILE + sr * 16u * TM * LDT;\n        \
@@ -571,14 +559,13 @@ impl CoopTile {
                  let buf = step % 2u;\n        {}}}\n",
                 declare("next"),
                 fetch("next", "0u"),
-                step("next", "buf", 1, true)
+                step("next", "buf", 1)
             )
         } else {
             // N steps in flight (N = 2, 4 or 8): step s's loads in register set s % N, staged into
-            // buffer s % 2 (the loop is unrolled N times, so both are fixed in the code). Steps
-            // at or past k fetch zeros (`fetch_x`, `fetch_w`), so a step count that is not a
-            // multiple of N ends with zero steps rather than a branch around cooperative
-            // operations (which must stay in uniform control flow).
+            // buffer s % 2 (the loop is unrolled N times, so both are fixed in the code). A step
+            // count that is not a multiple of N ends with zero steps rather than a branch around
+            // cooperative operations (which must stay in uniform control flow).
             let n = self.prefetch;
             let mut code = String::new();
             for j in 0..n {
@@ -587,7 +574,7 @@ impl CoopTile {
             }
             code += &format!("for (var step = 0u; step < steps; step += {n}u) {{\n        ");
             for j in 0..n {
-                code += &step(&format!("s{j}"), &format!("{}u", j % 2), j + n, false);
+                code += &step(&format!("s{j}"), &format!("{}u", j % 2), j + n);
             }
             code + "}\n"
         };
@@ -1007,7 +994,9 @@ impl GpuVisionEncoder {
             },
         };
         let tile = coop_gemms.base;
-        tile.check().map_err(GpuVisionError::Invalid)?;
+        tile.check().map_err(|why| {
+            GpuVisionError::Invalid(format!("the tensor-core GEMM tile {tile:?}: {why}"))
+        })?;
         if coop && !fits(&tile) {
             return Err(GpuVisionError::Invalid(format!(
                 "the tensor-core GEMM tile {tile:?} needs {} bytes of workgroup memory and {} \
@@ -1090,44 +1079,40 @@ impl GpuVisionEncoder {
             compile(&module, index, 1, true);
         }
         if coop {
-            let source = coop_source(tile, query_subgroups, mx);
-            // SAFETY: `create_shader_module_trusted` drops the runtime bounds checks (and loop
-            // bounding) naga would add; an out-of-bounds access would then be undefined
-            // behaviour on the device. Every dispatch of this module is built below from the
-            // tower's validated sizes, for buffers allocated from the same sizes (times the
-            // batch; a per-image dispatch is bound to exactly its image's share), and each
-            // meets its kernel's stated contract (vit_coop.wgsl): `gemm_coop` clamps its tile
-            // loads to rows < m and n and columns < k, and runs only when coop_fits holds
-            // (n a multiple of 8, k of 4; with MX weights, codes for n x k elements plus the
-            // spare word `mx_load4` reads, scales for them, and k a multiple of 32, checked
-            // above); `attention_coop` reads rows < n of an n x 3h buffer
-            // and runs only when n is a multiple of 64 (= 16 * QSUB); `layer_norm_f16` and
-            // `to_f16` guard their indices against the lengths they are given. Workgroup
-            // memory is not zeroed: each kernel writes what it reads first.
-            let module = unsafe {
-                device.create_shader_module_trusted(
-                    wgpu::ShaderModuleDescriptor {
-                        label: Some("vit coop"),
-                        source: wgpu::ShaderSource::Wgsl(source.into()),
-                    },
-                    wgpu::ShaderRuntimeChecks::unchecked(),
-                )
-            };
-            compile(&module, TO_F16, LINEAR_REG_MX - TO_F16, false);
-            if let Some(wide) = coop_gemms.wide {
-                let source = coop_source(wide, query_subgroups, mx)
-                    .replace("fn gemm_coop(", "fn gemm_coop_wide(");
-                // SAFETY: as above; `gemm_coop_wide` is `gemm_coop` with other tile constants
-                // and the same contract, and its dispatches are built the same way.
-                let module = unsafe {
+            // Both tensor-core modules are built without runtime checks. Why that is sound:
+            // `create_shader_module_trusted` drops the bounds checks (and loop bounding) naga
+            // would add; an out-of-bounds access would then be undefined behaviour on the
+            // device. Every dispatch of these modules is
+            // built below from the tower's validated sizes, for buffers allocated from the same
+            // sizes (times the batch; a per-image dispatch is bound to exactly its image's
+            // share), and each meets its kernel's stated contract (vit_coop.wgsl): `gemm_coop`
+            // (and `gemm_coop_wide`, the same kernel with other tile constants) clamps its tile
+            // loads to rows < m and n and columns < k, and runs only when coop_fits holds (n a
+            // multiple of 8, k of 4; with MX weights, codes for n x k elements plus the spare
+            // word `mx_load4` reads, scales for them, and k a multiple of 32, checked above);
+            // `attention_coop` reads rows < n of an n x 3h buffer and runs only when n is a
+            // multiple of 64 (= 16 * QSUB); `layer_norm_f16` and `to_f16` guard their indices
+            // against the lengths they are given. Workgroup memory is not zeroed: each kernel
+            // writes what it reads first.
+            let trusted = |label: &str, source: String| {
+                // SAFETY: only the two coop_source modules below go through here, and their
+                // kernels meet the contracts listed above.
+                unsafe {
                     device.create_shader_module_trusted(
                         wgpu::ShaderModuleDescriptor {
-                            label: Some("vit coop wide GEMM"),
+                            label: Some(label),
                             source: wgpu::ShaderSource::Wgsl(source.into()),
                         },
                         wgpu::ShaderRuntimeChecks::unchecked(),
                     )
-                };
+                }
+            };
+            let module = trusted("vit coop", coop_source(tile, query_subgroups, mx));
+            compile(&module, TO_F16, LINEAR_REG_MX - TO_F16, false);
+            if let Some(wide) = coop_gemms.wide {
+                let source = coop_source(wide, query_subgroups, mx)
+                    .replace("fn gemm_coop(", "fn gemm_coop_wide(");
+                let module = trusted("vit coop wide GEMM", source);
                 compile(&module, GEMM_COOP_WIDE, 1, false);
             }
         }
