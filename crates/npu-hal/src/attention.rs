@@ -3,10 +3,10 @@
 //!
 //! - [`Numerics::Standard`]: scores, softmax and the weighted sum of V in f32 (kv-paged's
 //!   kernels; decode streams K/V page by page).
-//! - [`Numerics::Ggml`]: what ggml's CPU flash attention computes (and an NPU with
-//!   f16 accumulators would): the query rounded to f16, f32 dot products of f16 values, an online
-//!   softmax, and the V accumulator held in f16 and rounded after every update, divided by the
-//!   softmax sum at the end. It exists so a model run here can reproduce llama.cpp's logits (the
+//! - [`Numerics::Ggml`]: what ggml's CPU flash attention computes in the named build's order
+//!   (and an NPU with f16 accumulators would): the query rounded to f16, f32 dot products of
+//!   f16 values, an online softmax, and the V accumulator held in f16 and rounded after every
+//!   update, divided by the softmax sum at the end. It exists so a model run here can reproduce llama.cpp's logits (the
 //!   `exact` weight policy), not because it is more accurate: it is less.
 //!
 //! Work is split by query head: each pool part owns a contiguous head range, gathers the K/V of
@@ -19,7 +19,7 @@ use half::f16;
 use kv_paged::{KvCache, SeqId};
 
 use crate::Error;
-use crate::kernels::Numerics;
+use crate::kernels::{GgmlBuild, Numerics};
 use crate::pool::{WorkerPool, share};
 
 /// Batches of at most this many queries (a decode step, a speculative verification) are
@@ -148,11 +148,11 @@ pub(crate) fn attend(
                         Numerics::Standard => {
                             attend_f32(qv, &k, &v, visible, hd, scale, &mut scores, o)
                         }
-                        Numerics::Ggml => {
+                        Numerics::Ggml(build) => {
                             for (d, &s) in qh16.iter_mut().zip(qv) {
                                 *d = f16::from_f32(s).to_f32();
                             }
-                            flash_f16(&qh16, &k, &v, visible, hd, scale, o);
+                            flash_f16(&qh16, &k, &v, visible, hd, scale, build, o);
                             if want_stats {
                                 // ggml's kernel keeps no probabilities: f32 ones for the
                                 // statistics only.
@@ -277,20 +277,33 @@ fn attend_f32_body(
 }
 
 /// One query of ggml's CPU flash attention with an f16 V accumulator (its
-/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for f16 V), `q` already f16-rounded.
-fn flash_f16(q: &[f32], k: &[f32], v: &[f32], len: usize, hd: usize, scale: f32, out: &mut [f32]) {
+/// `ggml_compute_forward_flash_attn_ext_f16_one_chunk` for f16 V) as `build` orders it, `q`
+/// already f16-rounded.
+#[allow(clippy::too_many_arguments)]
+fn flash_f16(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    hd: usize,
+    scale: f32,
+    build: GgmlBuild,
+    out: &mut [f32],
+) {
+    let wide = build == GgmlBuild::Avx512;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has FMA (checked just above), the only requirement of this build.
-        unsafe { flash_f16_fma(q, k, v, len, hd, scale, out) };
+        unsafe { flash_f16_fma(q, k, v, len, hd, scale, wide, out) };
         return;
     }
-    flash_f16_body(q, k, v, len, hd, scale, out);
+    flash_f16_body(q, k, v, len, hd, scale, wide, out);
 }
 
 /// [`flash_f16_body`] compiled with FMA, so `mul_add` is one instruction as in ggml's build.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
+#[allow(clippy::too_many_arguments)]
 fn flash_f16_fma(
     q: &[f32],
     k: &[f32],
@@ -298,9 +311,10 @@ fn flash_f16_fma(
     len: usize,
     hd: usize,
     scale: f32,
+    wide: bool,
     out: &mut [f32],
 ) {
-    flash_f16_body(q, k, v, len, hd, scale, out);
+    flash_f16_body(q, k, v, len, hd, scale, wide, out);
 }
 
 /// ggml's `ggml_vec_dot_f16` on x86 with F16C and FMA: `lanes` running sums (32 for its AVX2
@@ -345,6 +359,7 @@ fn dot_ggml(a: &[f32], b: &[f32], wide: bool) -> f32 {
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn flash_f16_body(
     q: &[f32],
     k: &[f32],
@@ -352,13 +367,10 @@ fn flash_f16_body(
     len: usize,
     hd: usize,
     scale: f32,
+    wide: bool,
     out: &mut [f32],
 ) {
     let round = |x: f32| f16::from_f32(x).to_f32();
-    #[cfg(target_arch = "x86_64")]
-    let wide = std::arch::is_x86_feature_detected!("avx512f");
-    #[cfg(not(target_arch = "x86_64"))]
-    let wide = false;
     let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
     out.fill(0.0);
     for t in 0..len {
@@ -420,8 +432,6 @@ mod tests {
         let k: Vec<f32> = (0..len * hd).map(|i| f(i, 13)).collect();
         let v: Vec<f32> = (0..len * hd).map(|i| f(i, 31)).collect();
         let scale = 0.25;
-        let mut got = vec![0f32; hd];
-        flash_f16(&q, &k, &v, len, hd, scale, &mut got);
         let scores: Vec<f64> = (0..len)
             .map(|t| {
                 (0..hd)
@@ -433,16 +443,20 @@ mod tests {
         let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
         let total: f64 = w.iter().sum();
-        for d in 0..hd {
-            let want: f64 = (0..len)
-                .map(|t| w[t] * f64::from(v[t * hd + d]))
-                .sum::<f64>()
-                / total;
-            assert!(
-                (f64::from(got[d]) - want).abs() < 5e-3,
-                "{d}: {} vs {want}",
-                got[d]
-            );
+        for build in [GgmlBuild::Avx2, GgmlBuild::Avx512] {
+            let mut got = vec![0f32; hd];
+            flash_f16(&q, &k, &v, len, hd, scale, build, &mut got);
+            for d in 0..hd {
+                let want: f64 = (0..len)
+                    .map(|t| w[t] * f64::from(v[t * hd + d]))
+                    .sum::<f64>()
+                    / total;
+                assert!(
+                    (f64::from(got[d]) - want).abs() < 5e-3,
+                    "{build:?} {d}: {} vs {want}",
+                    got[d]
+                );
+            }
         }
     }
 }

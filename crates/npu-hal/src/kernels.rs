@@ -100,16 +100,63 @@ pub const MAX_ROPE_HEAD_DIM: usize = 512;
 /// Which arithmetic the ops whose rounding is a choice use.
 ///
 /// - `Standard`: IEEE f32 with the platform's `expf`; f32 attention.
-/// - `Ggml`: what ggml's x86 CPU backend computes, step for step: its vectorised `expf`
-///   approximation inside SiLU, and its f16 flash attention (query rounded to f16, dot products
-///   summed in its register order, V accumulated in f16). With the block weights of
-///   [`crate::ggml`], a GGUF model's logits are bit-identical to llama.cpp's on the same CPU, which
-///   is what makes them comparable token for token. It is not more accurate; it is comparable.
+/// - `Ggml(build)`: what one x86 build of ggml's CPU backend computes, step for step: its
+///   vectorised `expf` approximation inside SiLU, and its f16 flash attention (query rounded to
+///   f16, dot products summed in its register order, V accumulated in f16), on any x86 CPU
+///   with FMA: the orders are computed, not taken from the host's vector unit. With the block
+///   weights of [`crate::ggml`], a GGUF model's logits on a prompt under 64 tokens are
+///   bit-identical to those of llama.cpp's AVX-512 build; against its AVX2 build only the first
+///   positions are (pipeline's `smollm2` tests measure both). That is what makes them
+///   comparable token for token. It is not more accurate; it is comparable.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Numerics {
     #[default]
     Standard,
-    Ggml,
+    Ggml(GgmlBuild),
+}
+
+/// The x86 build of ggml whose arithmetic [`Numerics::Ggml`] reproduces. Its f32 vector width
+/// sets two orders of operations: the running sums of its f16 dot products (32 with AVX2, 64 with
+/// AVX-512) and which `expf` its SiLU uses. Its integer block dot products give the same bits in
+/// both builds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlBuild {
+    /// Built for a CPU with AVX2, FMA and F16C but not AVX-512: 8-lane f32 vectors.
+    Avx2,
+    /// Built for a CPU with AVX-512 F and DQ: 16-lane f32 vectors.
+    Avx512,
+}
+
+impl GgmlBuild {
+    /// The build `GGML_NATIVE` (llama.cpp's default, and llama-cpp-python's) makes on this CPU:
+    /// [`GgmlBuild::Avx512`] where it has AVX-512 F and DQ, else [`GgmlBuild::Avx2`] (also off
+    /// x86, where no build is reproduced).
+    pub fn native() -> GgmlBuild {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+        {
+            return GgmlBuild::Avx512;
+        }
+        GgmlBuild::Avx2
+    }
+
+    /// Parses `avx2` or `avx512`, the names [`GgmlBuild::name`] gives.
+    pub fn parse(name: &str) -> Option<GgmlBuild> {
+        match name {
+            "avx2" => Some(GgmlBuild::Avx2),
+            "avx512" => Some(GgmlBuild::Avx512),
+            _ => None,
+        }
+    }
+
+    /// `avx2` or `avx512`.
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlBuild::Avx2 => "avx2",
+            GgmlBuild::Avx512 => "avx512",
+        }
+    }
 }
 
 /// `out = silu(gate) * up`, with `silu(g) = g / (1 + e^-g)`.
@@ -120,15 +167,15 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32], numerics: Numerics) {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
         }
-        Numerics::Ggml => {
+        Numerics::Ggml(build) => {
+            let wide = build == GgmlBuild::Avx512;
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("fma") {
-                let wide = std::arch::is_x86_feature_detected!("avx512f");
                 // SAFETY: the CPU has FMA (checked just above), the only requirement of the build.
                 unsafe { swiglu_ggml_fma(gate, up, out, wide) };
                 return;
             }
-            swiglu_ggml(gate, up, out, false);
+            swiglu_ggml(gate, up, out, wide);
         }
     }
 }

@@ -55,7 +55,7 @@ pub use device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, EmbeddingData, Embeddings,
     KernelTime, Op, Probe, Rows, Submission, TensorId, Weight, WeightId,
 };
-pub use kernels::{ActivationRounding, DenseMatrix, Numerics, RopeStyle};
+pub use kernels::{ActivationRounding, DenseMatrix, GgmlBuild, Numerics, RopeStyle};
 #[cfg(feature = "vulkan")]
 pub use vulkan::{AdapterChoice, HostWait, VulkanBackend, VulkanConfig, VulkanNpu};
 

@@ -20,11 +20,11 @@ use std::sync::Arc;
 
 use kv_paged::{KvCache, KvLayout, PageDtype};
 use mx_quant::{ElemFormat, QuantOptions, ScaleRule};
-use npu_hal::Numerics;
 use npu_hal::{
     ActivationRounding, Batch, DenseMatrix, Device, Op, Rows, Submission, TensorId, Weight,
     WeightId,
 };
+use npu_hal::{GgmlBuild, Numerics};
 use sync_timeline::{CpuTimeline, Timeline};
 
 use crate::model::{LoadError, ModelConfig, TensorSource};
@@ -49,7 +49,7 @@ pub enum DecodeError {
     )]
     ContextFull { wanted: usize, ctx: usize },
     #[error(
-        "unknown weight policy {0:?}: use exact, exact-f32, default, fastest, fp4, smallest, int8, or a list like attn=fp6,mlp=fp4,embd=int8"
+        "unknown weight policy {0:?}: use exact, exact:avx2, exact:avx512, exact-f32, default, fastest, fp4, smallest, int8, or a list like attn=fp6,mlp=fp4,embd=int8"
     )]
     UnknownPolicy(String),
     #[error("token id {id} is outside the vocabulary of {vocab}")]
@@ -146,7 +146,9 @@ pub struct WeightPolicy {
 impl WeightPolicy {
     /// Looks up a named policy or parses `class=format,...` (classes `embd`, `output`, `attn`,
     /// `mlp` (= `mlp_in` and `mlp_down`), `mlp_in`, `mlp_down`, `all`; formats `f32`/`exact` or an
-    /// mx-quant format name such as `fp4`, `fp6`, `fp8_e4m3`, `int8`).
+    /// mx-quant format name such as `fp4`, `fp6`, `fp8_e4m3`, `int8`). `exact` reproduces the
+    /// llama.cpp build `GGML_NATIVE` makes on this CPU; `exact:avx2` and `exact:avx512` name the
+    /// build, so logits made by llama.cpp on another machine can be reproduced on this one.
     pub fn parse(name: &str) -> Result<WeightPolicy, DecodeError> {
         use ElemFormat::*;
         let uniform = |name: &str, s: Storage| WeightPolicy {
@@ -162,9 +164,17 @@ impl WeightPolicy {
         };
         Ok(match name {
             "exact" => WeightPolicy {
-                numerics: Numerics::Ggml,
+                numerics: Numerics::Ggml(GgmlBuild::native()),
                 ..uniform("exact", Storage::Exact)
             },
+            built if built.starts_with("exact:") => {
+                let build = GgmlBuild::parse(&built["exact:".len()..])
+                    .ok_or_else(|| DecodeError::UnknownPolicy(built.into()))?;
+                WeightPolicy {
+                    numerics: Numerics::Ggml(build),
+                    ..uniform(built, Storage::Exact)
+                }
+            }
             "exact-f32" => WeightPolicy {
                 source_activations: false,
                 ..uniform("exact-f32", Storage::Exact)

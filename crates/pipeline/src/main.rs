@@ -318,6 +318,11 @@ struct RunArgs {
     /// Which pages a KV budget drops: sinks, h2o or entropy (default sinks).
     #[arg(long, requires = "kv_budget")]
     prune: Option<String>,
+    /// Hold the encoder while the decoder prefills, so a reply's prefill has the cores the
+    /// two share (a CPU encoder, or a GPU one on a software driver): shorter time to first
+    /// token, the next image encoded during the decode instead.
+    #[arg(long)]
+    prefill_first: bool,
 }
 
 #[cfg(feature = "vision")]
@@ -377,6 +382,7 @@ impl RunArgs {
             keep_context: self.keep_context.then_some(true),
             kv_budget: self.kv_budget,
             prune: self.prune.clone(),
+            prefill_first: self.prefill_first.then_some(true),
             ..ChainSpec::default()
         };
         Ok(base.overlay(flags))
@@ -504,7 +510,8 @@ struct ModelArgs {
     /// A .gguf file, or a directory with config.json and *.safetensors.
     #[arg(long)]
     model: PathBuf,
-    /// Weight policy: exact, default, fastest, fp4, smallest, int8, or e.g.
+    /// Weight policy: exact (llama.cpp's arithmetic as built for this CPU; exact:avx2 or
+    /// exact:avx512 names the build), default, fastest, fp4, smallest, int8, or e.g.
     /// attn=fp6,mlp=fp4,embd=int8 [default: the policy a `pipeline quantize` file was made
     /// with, else `default`].
     #[arg(long)]

@@ -401,6 +401,129 @@ fn run_with_encoder(encoder: FaultyEncoder) -> (pipeline::chain::RunReport, Vec<
     (report, done)
 }
 
+/// A decoder stand-in with a prefill and a decode phase: `prefill` before its first text, then
+/// `decode` after it, noting when each reply's first text came and when the reply ended.
+struct PhasedDecoder {
+    prefill: Duration,
+    decode: Duration,
+    replies: Arc<std::sync::Mutex<Vec<(std::time::Instant, std::time::Instant)>>>,
+}
+
+impl DecoderStage for PhasedDecoder {
+    fn name(&self) -> &'static str {
+        "phased"
+    }
+    fn describe(
+        &mut self,
+        image: EncodedImage<'_>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation, StageError> {
+        let (_, host_waited) = image.read(|values| values.len())?;
+        std::thread::sleep(self.prefill);
+        let first = std::time::Instant::now();
+        on_text("ok");
+        std::thread::sleep(self.decode);
+        let end = std::time::Instant::now();
+        self.replies.lock().unwrap().push((first, end));
+        Ok(Generation {
+            stats: pipeline::llm::GenerationStats {
+                generated: 1,
+                ..Default::default()
+            },
+            host_waited,
+            ..Generation::default()
+        })
+    }
+    fn kv_utilisation(&self) -> f64 {
+        0.0
+    }
+}
+
+/// The CPU encoder, noting when each image's encoding started.
+struct TimedEncoder {
+    inner: CpuEncoder,
+    starts: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
+}
+
+impl EncoderStage for TimedEncoder {
+    fn name(&self) -> &'static str {
+        "timed-encoder"
+    }
+    fn config(&self) -> &VisionConfig {
+        self.inner.config()
+    }
+    fn submit(
+        &mut self,
+        frame: u64,
+        pixels: &Arc<UnifiedBuffer>,
+        pixels_ready: &Completion,
+        out: &Arc<UnifiedBuffer>,
+    ) -> Result<Completion, StageError> {
+        self.starts.lock().unwrap().push(std::time::Instant::now());
+        self.inner.submit(frame, pixels, pixels_ready, out)
+    }
+}
+
+/// Over 8 frames with a fast encoder and a decoder that prefills for 40 ms, how many images
+/// started encoding between the end of one reply and the first token of the next (the next
+/// reply's prefill), and how many frames were decoded.
+fn encodes_during_prefill(prefill_first: bool) -> (usize, u64) {
+    let replies = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let chain = Chain {
+        source: open_source("pattern:64x48@30", &SourceOptions::default()).unwrap(),
+        isp: cpu_isp(32),
+        encoder: Box::new(TimedEncoder {
+            inner: CpuEncoder::new(tiny_tower()),
+            starts: Arc::clone(&starts),
+        }),
+        decoder: Box::new(PhasedDecoder {
+            prefill: Duration::from_millis(40),
+            decode: Duration::from_millis(40),
+            replies: Arc::clone(&replies),
+        }),
+    };
+    let report = pipeline::chain::run(
+        chain,
+        &RunOptions {
+            max_frames: Some(8),
+            prefill_first,
+            ..RunOptions::default()
+        },
+        Arc::new(AtomicBool::new(false)),
+        |_| {},
+    )
+    .unwrap();
+    assert!(report.failure.is_none(), "{:?}", report.failure);
+    let replies = replies.lock().unwrap();
+    let during = starts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|&&t| replies.windows(2).any(|w| t > w[0].1 && t < w[1].0))
+        .count();
+    (during, report.frames_decoded)
+}
+
+#[test]
+fn prefill_first_holds_the_encoder_until_the_first_token() {
+    let _ledger = ledger_lock();
+    let (plain, plain_frames) = encodes_during_prefill(false);
+    let (held, held_frames) = encodes_during_prefill(true);
+    eprintln!("encodes started during a prefill: {plain} plain, {held} with prefill_first");
+    assert_eq!(
+        (plain_frames, held_frames),
+        (8, 8),
+        "every frame is decoded"
+    );
+    // Without it, the encoder starts each next image as the last reply ends, which is when
+    // the next prefill starts (7 times: every reply after the first).
+    assert!(plain >= 4, "{plain} of 8 encodes started during a prefill");
+    // With it, one may only start there while the decoder waits for an image, which a fast
+    // encoder leaves it to do once at most.
+    assert!(held <= 1, "{held} of 8 encodes started during a prefill");
+}
+
 #[test]
 fn a_failing_stage_stops_the_chain_and_keeps_the_replies_before_it() {
     let _ledger = ledger_lock();

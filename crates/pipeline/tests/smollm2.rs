@@ -1,5 +1,6 @@
 //! The decoder on the real SmolLM2-135M-Instruct (GGUF Q4_1), against llama.cpp's numbers:
-//! the `exact` policy's greedy completion of the reference prompt, token for token, and
+//! the `exact` policy's logits and greedy completion of the reference prompt, bit for bit and
+//! token for token, for each llama.cpp build committed under `fixtures/llama-cpp-logits`, and
 //! perplexity on the Apache-2.0 text within 1% of llama.cpp's 15.93; the default MX policy's
 //! perplexity within 10% of it.
 //!
@@ -56,31 +57,96 @@ fn open_on(
     (d, t.expect("the GGUF carries its tokenizer"))
 }
 
+/// One committed run of llama.cpp (`fixtures/llama-cpp-logits/BUILD`, made by its `make.py` on
+/// a CPU that builds as BUILD): the expected values and the directory they came from.
+struct LlamaCppRun {
+    build: npu_hal::GgmlBuild,
+    expected: serde_json::Value,
+    dir: PathBuf,
+    /// How many of the prompt's positions `exact:BUILD` reproduces bit for bit, the first ones.
+    identical: usize,
+}
+
+/// The positions of the 11-token prompt `exact:BUILD` reproduces bit for bit, as measured
+/// (README, "Decoder"). AVX-512: all of them. AVX2: the first 4; from the fifth on, llama.cpp's
+/// AVX2 build computes something this emulation does not (neither its dot-product order nor
+/// its SiLU, both checked by swapping in the AVX-512 variants), not yet found.
+fn identical_positions(build: npu_hal::GgmlBuild) -> usize {
+    match build {
+        npu_hal::GgmlBuild::Avx512 => 11,
+        npu_hal::GgmlBuild::Avx2 => 4,
+    }
+}
+
+/// The llama.cpp run of each build (both are committed). Each is checked on whatever CPU runs
+/// the test: `exact:BUILD` computes that build's orders of operations, whatever the host's
+/// vector width.
+fn llama_cpp_runs() -> Vec<LlamaCppRun> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama-cpp-logits");
+    [npu_hal::GgmlBuild::Avx2, npu_hal::GgmlBuild::Avx512]
+        .into_iter()
+        .map(|build| {
+            let dir = root.join(build.name());
+            let path = dir.join("expected.json");
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(expected["ggml_build"], build.name(), "{}", path.display());
+            LlamaCppRun {
+                build,
+                expected,
+                dir,
+                identical: identical_positions(build),
+            }
+        })
+        .collect()
+}
+
+/// The `exact:BUILD` policy's greedy completion of the README's prompt is llama.cpp's, every
+/// one of its 20 tokens, for each build whose logits it reproduces at every position.
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn exact_policy_completes_the_prompt_as_llama_cpp_does() {
-    let (mut d, tok) = open("exact");
-    let prompt = tok
-        .encode("Once upon a time, there was a little robot who", false)
+    let runs: Vec<LlamaCppRun> = llama_cpp_runs()
+        .into_iter()
+        .filter(|r| r.identical == r.expected["tokens"].as_array().unwrap().len())
+        .collect();
+    assert!(!runs.is_empty());
+    for run in runs {
+        let (mut d, tok) = open(&format!("exact:{}", run.build.name()));
+        let prompt = tok
+            .encode(run.expected["prompt"].as_str().unwrap(), false)
+            .unwrap();
+        let want: Vec<u32> = run.expected["completion_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let mut ids = Vec::new();
+        pipeline::llm::generate(
+            &mut d,
+            &prompt,
+            want.len(),
+            SamplingParams::default(),
+            &[],
+            |t| {
+                ids.push(t);
+                true
+            },
+        )
         .unwrap();
-    let mut ids = Vec::new();
-    pipeline::llm::generate(&mut d, &prompt, 20, SamplingParams::default(), &[], |t| {
-        ids.push(t);
-        true
-    })
-    .unwrap();
-    let text = tok.decode(&ids).unwrap();
-    let want = " had a special ability to make things disappear. He was called \"The Disappear\" by his friends.";
-    let want_ids = tok.encode(want, false).unwrap();
-    let agree = ids
-        .iter()
-        .zip(&want_ids)
-        .take_while(|(a, b)| a == b)
-        .count();
-    assert!(
-        agree >= 16,
-        "only {agree} tokens agree with llama.cpp's completion; got {text:?}"
-    );
+        let agree = ids.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        assert_eq!(
+            agree,
+            want.len(),
+            "{:?}: only {agree} of {} tokens agree with llama.cpp's completion {:?}; got {:?}",
+            run.build,
+            want.len(),
+            run.expected["completion_text"],
+            tok.decode(&ids).unwrap()
+        );
+    }
 }
 
 fn ppl(policy: &str) -> f64 {
@@ -113,35 +179,15 @@ fn default_mx_policy_perplexity_is_within_ten_percent_of_q4_1() {
     assert!(p <= LLAMA_CPP_PPL * 1.10, "default-policy perplexity {p}");
 }
 
-/// The `exact` policy's logits against llama.cpp's, bit for bit: every position of the README's
-/// prompt, each row's little-endian f32 bytes hashed as `fixtures/llama-cpp-logits/make.py`
-/// (llama-cpp-python 0.3.36, CPU, flash attention on) hashed llama.cpp's. On a mismatch the
-/// last row is compared value by value to say how far off it is.
+/// The `exact:BUILD` policy's logits against llama.cpp's, bit for bit, for each committed
+/// build: the positions of the README's prompt [`identical_positions`] says (every one for
+/// AVX-512), each row's little-endian f32 bytes hashed as `fixtures/llama-cpp-logits/make.py`
+/// (llama-cpp-python 0.3.36, CPU, flash attention on) hashed llama.cpp's. The last row is
+/// compared value by value to say how far off it is.
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
     use sha2::{Digest, Sha256};
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama-cpp-logits");
-    let expected: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let (mut d, tok) = open("exact");
-    let prompt = expected["prompt"].as_str().unwrap();
-    let tokens: Vec<u32> = expected["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
-    assert_eq!(tok.encode(prompt, false).unwrap(), tokens, "tokenization");
-    let mut rows: Vec<Vec<f32>> = Vec::new();
-    d.forward(&tokens, 0..tokens.len(), |_, l| rows.push(l.to_vec()))
-        .unwrap();
-    let want: Vec<&str> = expected["row_sha256"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|h| h.as_str().unwrap())
-        .collect();
     let hex = |row: &[f32]| -> String {
         let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
         Sha256::digest(&bytes)
@@ -149,30 +195,66 @@ fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
             .map(|b| format!("{b:02x}"))
             .collect()
     };
-    let last: Vec<f32> = std::fs::read(dir.join("last_row.f32"))
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let ours = rows.last().unwrap();
-    let max_diff = ours
-        .iter()
-        .zip(&last)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    let differing: Vec<usize> = rows
-        .iter()
-        .zip(&want)
-        .enumerate()
-        .filter(|(_, (row, h))| hex(row) != **h)
-        .map(|(i, _)| i)
-        .collect();
-    assert!(
-        differing.is_empty(),
-        "positions {differing:?} of {} differ from llama.cpp's logits; last row max |diff| {max_diff}",
-        rows.len()
-    );
-    assert_eq!(max_diff, 0.0);
+    let mut failures = Vec::new();
+    for run in llama_cpp_runs() {
+        let (mut d, tok) = open(&format!("exact:{}", run.build.name()));
+        let prompt = run.expected["prompt"].as_str().unwrap();
+        let tokens: Vec<u32> = run.expected["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tok.encode(prompt, false).unwrap(), tokens, "tokenization");
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        d.forward(&tokens, 0..tokens.len(), |_, l| rows.push(l.to_vec()))
+            .unwrap();
+        let want: Vec<&str> = run.expected["row_sha256"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_str().unwrap())
+            .collect();
+        let last: Vec<f32> = std::fs::read(run.dir.join("last_row.f32"))
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let max_diff = rows
+            .last()
+            .unwrap()
+            .iter()
+            .zip(&last)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let differing: Vec<usize> = rows
+            .iter()
+            .zip(&want)
+            .enumerate()
+            .filter(|(_, (row, h))| hex(row) != **h)
+            .map(|(i, _)| i)
+            .collect();
+        eprintln!(
+            "{:?}: {} of {} positions bit-identical; last row max |diff| {max_diff}",
+            run.build,
+            rows.len() - differing.len(),
+            rows.len()
+        );
+        let all = run.identical == want.len();
+        let reproduced = rows.len() == want.len()
+            && differing.first().is_none_or(|&p| p >= run.identical)
+            && (!all || max_diff == 0.0);
+        if !reproduced {
+            failures.push(format!(
+                "{:?}: positions {differing:?} of {} differ from llama.cpp's logits (the first {} \
+                 must not); last row max |diff| {max_diff}",
+                run.build,
+                rows.len(),
+                run.identical
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("; "));
 }
 
 /// npu-hal's GPU backend (lavapipe on CI), which must exist: these run only with `--ignored`.

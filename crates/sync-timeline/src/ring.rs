@@ -545,6 +545,21 @@ impl<T, B: Clone> Consumer<T, B> {
         Ok(record.map(|r| (r, buffer)))
     }
 
+    /// Whether [`Consumer::receive`] has an item for it now (never blocks; `false` at the end
+    /// of the stream).
+    pub fn has_ready(&self) -> bool {
+        match &self.shared.live {
+            Some(_) => self
+                .shared
+                .live()
+                .is_ok_and(|live| live.states.iter().any(|s| matches!(s, SlotState::Ready(_)))),
+            None => {
+                self.shared.filled.current() > self.next
+                    && self.next < self.shared.end.load(Ordering::SeqCst)
+            }
+        }
+    }
+
     /// Whether the run's stop flag is raised (for a consumer waiting on something else).
     pub fn stopped(&self) -> bool {
         self.shared.stop.load(Ordering::SeqCst)
@@ -665,6 +680,22 @@ mod tests {
         assert!(!tx.has_room(), "the slot is the consumer's until release");
         rx.release();
         assert!(tx.has_room());
+    }
+
+    #[test]
+    fn the_consumer_sees_an_item_ready_without_waiting_and_none_at_the_end() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (mut tx, mut rx) = ring::<u8, ()>("test", 2, Vec::new(), stop);
+        assert!(!rx.has_ready());
+        let slot = tx.reserve().unwrap();
+        tx.publish(slot, 7);
+        assert!(rx.has_ready());
+        assert_eq!(rx.receive().unwrap().map(|(v, _)| v), Some(7));
+        rx.release();
+        assert!(!rx.has_ready(), "the one item was taken");
+        tx.close();
+        assert!(!rx.has_ready(), "the end of the stream is no item");
+        assert!(rx.receive().unwrap().is_none());
     }
 
     #[test]

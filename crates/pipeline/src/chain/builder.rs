@@ -181,6 +181,9 @@ pub struct ChainSpec {
     pub kv_budget: Option<usize>,
     /// `sinks` (default), `h2o` or `entropy`.
     pub prune: Option<String>,
+    /// Hold the encoder while the decoder prefills (`--prefill-first`; see
+    /// [`RunOptions::prefill_first`]).
+    pub prefill_first: Option<bool>,
     pub synthetic: SyntheticTower,
     /// Run the tower at another square input size than its native one (a multiple of the patch
     /// size); the position grid follows SmolVLM's own bucketing.
@@ -235,6 +238,7 @@ impl ChainSpec {
             keep_context,
             kv_budget,
             prune,
+            prefill_first,
             image_size
         );
         if other.isp != Placement::Auto {
@@ -593,6 +597,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
             trace,
             ahead: spec.ahead.unwrap_or(false),
             skip_similar: spec.skip_similar,
+            prefill_first: spec.prefill_first.unwrap_or(false),
         },
         notes,
     })

@@ -37,6 +37,7 @@
 
 pub mod builder;
 pub(crate) mod demand;
+pub(crate) mod prefill_first;
 #[allow(unsafe_code)]
 pub mod stages;
 pub mod trace;
@@ -102,6 +103,11 @@ pub struct RunOptions {
     /// done): the decoder then describes it from the last image's pinned K/V. The decoder stage
     /// must keep them ([`NpuDecoder::with_image_reuse`]).
     pub skip_similar: Option<f32>,
+    /// Hold the encoder while the decoder prefills: it starts its next image at the reply's
+    /// first token instead of when the last reply ended (see `prefill_first`). For an encoder
+    /// that shares the decoder's cores: it shortens time to first token at the cost of
+    /// encoding later.
+    pub prefill_first: bool,
 }
 
 impl Default for RunOptions {
@@ -114,6 +120,7 @@ impl Default for RunOptions {
             trace: false,
             ahead: false,
             skip_similar: None,
+            prefill_first: false,
         }
     }
 }
@@ -335,6 +342,8 @@ pub fn run(
     // Live streams: when each slow stage will take its next input (see `demand`).
     let embed_demand = &demand::Demand::new(origin);
     let pixels_demand = &demand::Demand::new(origin);
+    let prefill_gate = &prefill_first::PrefillGate::new();
+    let prefill_first = options.prefill_first;
     // Ahead-of-time submission: the source mirrors its frames' readiness onto a timeline the
     // ISP waits on in its queue, and announces each frame before writing it.
     let ahead = options.ahead
@@ -416,6 +425,7 @@ pub fn run(
                 &mut *encoder,
                 (encoder_handled, ahead.then_some(&*frames_written)),
                 options.skip_similar,
+                prefill_first.then_some(prefill_gate),
             );
             // Nothing more will be handled: an ISP waiting on this count goes on (and ends).
             let _ = encoder_handled.signal(u64::MAX);
@@ -441,6 +451,11 @@ pub fn run(
         loop {
             // Free: the encoder may produce now (live streams).
             embed_demand.taking_at(None);
+            // Waiting for an image: the encoder has the cores. With one waiting, they stay
+            // the next prefill's.
+            if !embed_rx.has_ready() {
+                prefill_gate.open();
+            }
             // A live ring hands over its newest item and counts the older ones as dropped.
             let received = match embed_rx.receive() {
                 Ok(Some(r)) => r,
@@ -473,13 +488,19 @@ pub fn run(
                 ready: &ready,
                 unchanged,
             };
+            prefill_gate.close();
             let result = decoder.describe(image, &mut |text| {
+                // The first token: the prefill is over.
+                prefill_gate.open();
                 on_event(Event::Text {
                     frame: item.frame,
                     text,
                 });
                 !stop.load(Ordering::SeqCst)
             });
+            // Before the slot goes back: the encoder must not start on it during the next
+            // prefill.
+            prefill_gate.close();
             embed_rx.release();
             let elapsed = start.elapsed();
             decode_time.add(elapsed);
@@ -526,6 +547,7 @@ pub fn run(
         }
         // Whatever ended the loop, upstream must stop waiting for this consumer.
         embed_rx.abandon();
+        prefill_gate.open();
         report.frames_dropped += embed_rx.dropped();
 
         // A stage that panicked (a bug in its implementation) fails the run like an error;
@@ -882,6 +904,7 @@ fn pump_encoder(
     encoder: &mut dyn EncoderStage,
     (handled, frames_written): (&CpuTimeline, Option<&dyn Timeline>),
     skip_similar: Option<f32>,
+    prefill_gate: Option<&prefill_first::PrefillGate>,
 ) -> Result<(), StageError> {
     let mut received = 0u64;
     // The last encoded frame's pixel signature (`skip_similar`).
@@ -935,7 +958,7 @@ fn pump_encoder(
         {
             return Ok(());
         }
-        let start = Instant::now();
+        let mut start = Instant::now();
         if let Some(threshold) = skip_similar {
             // The ISP's output, read in place once it is complete (a host wait when the ISP
             // runs on a GPU): an unchanged frame is not encoded, and the decoder reuses the last
@@ -967,6 +990,17 @@ fn pump_encoder(
                 .stage("skip-similar-signature")
                 .record(std::mem::size_of_val(signature.as_slice()));
             last = Some(signature);
+        }
+        // Prefill first: not while the decoder prefills.
+        if let Some(gate) = prefill_gate {
+            if !gate.wait_open(|| rx.stopped()) {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited > Duration::from_micros(100) {
+                log.span("wait for prefill", Some(item.frame), start, waited);
+                start = Instant::now();
+            }
         }
         let out = Arc::clone(slot.buffer().expect("the embeddings ring has buffers"));
         let ready = match encoder.submit(item.frame, &input, &pixels_ready, &out) {
