@@ -236,6 +236,19 @@ impl Kernels {
         }
     }
 
+    /// How many batch columns one [`Kernels::q8_tile`] call takes: its weights are decoded once
+    /// per tile-block for all of them. AVX2 decodes through a chain of shuffles and blends, so
+    /// 32 columns pay better than 8 (`pipeline bench --n-prompt 74` of SmolLM2-135M on 2 AVX2
+    /// cores: 477 / 512 tokens/s at 8, 545 / 597 at 32, 2026-12-03, README); AVX-512 keeps its
+    /// 8 sums in registers.
+    pub(crate) fn q8_columns(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernels::Avx2(_) => crate::gemv::Q8_MAX_COLUMNS,
+            _ => crate::gemv::MAX_BATCH,
+        }
+    }
+
     /// One row tile of the int8-activation GEMM (see [`crate::gemv`]).
     pub(crate) fn q8_tile(
         self,

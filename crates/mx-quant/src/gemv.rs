@@ -409,9 +409,10 @@ impl MxMatrix {
         })?;
         self.check_gemm(xs.iter().map(|x| x.len()), ys, &tiles)?;
         let kernel = crate::bulk::Kernels::new(isa)?;
+        let columns = kernel.q8_columns();
         for tile in tiles.clone() {
-            let mut acc = [[0f32; TILE_ROWS]; MAX_BATCH];
-            for (chunk_x, chunk_acc) in xs.chunks(MAX_BATCH).zip(ys.chunks_mut(MAX_BATCH)) {
+            let mut acc = [[0f32; TILE_ROWS]; Q8_MAX_COLUMNS];
+            for (chunk_x, chunk_acc) in xs.chunks(columns).zip(ys.chunks_mut(columns)) {
                 let acc = &mut acc[..chunk_x.len()];
                 kernel.q8_tile(self, &map, tile, chunk_x, acc);
                 let (start, end) = self.tile_rows(tile, &tiles);
@@ -511,9 +512,12 @@ impl MxMatrix {
     }
 }
 
-/// Batch columns a q8 kernel call carries at once (weights are decoded once per tile-block and
-/// reused for each column).
+/// Batch columns an f32 kernel call carries at once (weights are decoded once per tile-block and
+/// reused for each column), and the AVX-512 q8 kernel too, whose sums live in registers.
 pub const MAX_BATCH: usize = 8;
+
+/// The most batch columns a q8 kernel call carries (see `Kernels::q8_columns`).
+pub(crate) const Q8_MAX_COLUMNS: usize = 32;
 
 /// Activations quantized for [`MxMatrix::gemm_q8`]: per 32-block an int8 vector `q`, its scale
 /// `d = amax / 127` (so `x ~= d * q`) and `sum(q)`.

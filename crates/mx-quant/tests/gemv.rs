@@ -178,7 +178,7 @@ fn threads_and_batches_do_not_change_results() {
         &test_matrix(rows, cols, 6),
     )
     .unwrap();
-    let xs: Vec<Q8Activations> = (0..11)
+    let xs: Vec<Q8Activations> = (0..37)
         .map(|s| Q8Activations::quantize(&test_matrix(1, cols, 10 + s)).unwrap())
         .collect();
     let single: Vec<Vec<f32>> = xs
@@ -190,7 +190,8 @@ fn threads_and_batches_do_not_change_results() {
             y
         })
         .collect();
-    // A batch of 11 (more than one kernel call's worth), split into two tile ranges.
+    // A batch of 37 (more than one kernel call's worth on every ISA: 8 or 32 columns), split
+    // into two tile ranges.
     let mut ys = vec![vec![0f32; rows]; xs.len()];
     let split = 5;
     for range in [0..split, split..m.tiles()] {
