@@ -388,7 +388,8 @@ fn flash_f16_body(
         for (a, &x) in out.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
             *a = round(x.mul_add(vs, *a));
         }
-        sum = sum * ms + vs;
+        // ggml's `S = S*ms + vs`, which GCC contracts into one fused multiply-add.
+        sum = sum.mul_add(ms, vs);
     }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for a in out.iter_mut() {

@@ -268,6 +268,7 @@ impl CpuNpu {
                 head_dim,
                 theta,
                 style,
+                numerics,
             } => {
                 let key = (head_dim, theta.to_bits());
                 let freqs = match self.rope_freqs.iter().position(|(k, _)| *k == key) {
@@ -282,7 +283,7 @@ impl CpuNpu {
                 let t = &self.tensors[x.0 as usize];
                 let mut g = t.buffer.cpu_access(0..n * t.width * 4, Access::Write)?;
                 for (r, row) in g.typed_mut::<f32>()?.chunks_exact_mut(t.width).enumerate() {
-                    kernels::rope(row, head_dim, b.first_pos + r, inv, style);
+                    kernels::rope(row, head_dim, b.first_pos + r, inv, style, numerics);
                 }
             }
             Op::SwiGlu {

@@ -105,6 +105,8 @@ pub enum Op {
         head_dim: usize,
         theta: f32,
         style: RopeStyle,
+        /// How the rotation rounds (see [`crate::kernels::rope`]).
+        numerics: crate::kernels::Numerics,
     },
     /// `out = silu(gate) * up`.
     SwiGlu {

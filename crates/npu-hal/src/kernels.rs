@@ -60,7 +60,19 @@ pub fn rope_freqs(head_dim: usize, theta: f32) -> RopeFreqs {
 /// angles are computed as the style's reference runtime computes them (ggml for
 /// [`RopeStyle::Interleaved`], transformers for [`RopeStyle::HalfSplit`]), so each agrees with
 /// the numbers its model files were checked against.
-pub fn rope(x: &mut [f32], head_dim: usize, pos: usize, freqs: &RopeFreqs, style: RopeStyle) {
+///
+/// With [`Numerics::Ggml`] each rotated value fuses its first product into the sum, as ggml's
+/// `rotate_pairs` does once GCC contracts it (its default `-ffp-contract=fast`):
+/// `fma(x0, cos, -(x1 * sin))` and `fma(x0, sin, x1 * cos)`; llama.cpp's logits are
+/// bit-identical only so (pipeline's `smollm2` tests, both builds).
+pub fn rope(
+    x: &mut [f32],
+    head_dim: usize,
+    pos: usize,
+    freqs: &RopeFreqs,
+    style: RopeStyle,
+    numerics: Numerics,
+) {
     let half = head_dim / 2;
     debug_assert_eq!(freqs.inv_freq.len(), half);
     // The angles are the same for every head: compute them once.
@@ -88,8 +100,10 @@ pub fn rope(x: &mut [f32], head_dim: usize, pos: usize, freqs: &RopeFreqs, style
                 RopeStyle::HalfSplit => (i, i + half),
             };
             let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * cos - x1 * sin;
-            head[b] = x0 * sin + x1 * cos;
+            (head[a], head[b]) = match numerics {
+                Numerics::Standard => (x0 * cos - x1 * sin, x0 * sin + x1 * cos),
+                Numerics::Ggml(_) => (x0.mul_add(cos, -(x1 * sin)), x0.mul_add(sin, x1 * cos)),
+            };
         }
     }
 }
@@ -105,9 +119,9 @@ pub const MAX_ROPE_HEAD_DIM: usize = 512;
 ///   f16, dot products summed in its register order, V accumulated in f16), on any x86 CPU
 ///   with FMA: the orders are computed, not taken from the host's vector unit. With the block
 ///   weights of [`crate::ggml`], a GGUF model's logits on a prompt under 64 tokens are
-///   bit-identical to those of llama.cpp's AVX-512 build; against its AVX2 build only the first
-///   positions are (pipeline's `smollm2` tests measure both). That is what makes them
-///   comparable token for token. It is not more accurate; it is comparable.
+///   bit-identical to those of llama.cpp built as `build` (pipeline's `smollm2` tests check
+///   both builds). That is what makes them comparable token for token. It is not more
+///   accurate; it is comparable.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Numerics {
     #[default]
@@ -490,9 +504,13 @@ mod tests {
     fn rope_styles_rotate_the_documented_pairs() {
         let inv = rope_freqs(8, 10000.0);
         let base: Vec<f32> = (0..16).map(|i| i as f32 + 1.0).collect();
-        for style in [RopeStyle::Interleaved, RopeStyle::HalfSplit] {
+        for (style, numerics) in [
+            (RopeStyle::Interleaved, Numerics::Standard),
+            (RopeStyle::HalfSplit, Numerics::Standard),
+            (RopeStyle::Interleaved, Numerics::Ggml(GgmlBuild::Avx2)),
+        ] {
             let mut x = base.clone();
-            rope(&mut x, 8, 3, &inv, style);
+            rope(&mut x, 8, 3, &inv, style, numerics);
             for h in 0..2 {
                 for i in 0..4 {
                     let (a, b) = match style {
@@ -509,7 +527,7 @@ mod tests {
             }
             // Position 0 is the identity.
             let mut y = base.clone();
-            rope(&mut y, 8, 0, &inv, style);
+            rope(&mut y, 8, 0, &inv, style, numerics);
             assert_eq!(y, base);
         }
     }

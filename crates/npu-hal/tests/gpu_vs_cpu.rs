@@ -182,6 +182,7 @@ fn load(device: &mut dyn Device, storage: Storage, seed: u64) -> Model {
             head_dim: HEAD_DIM,
             theta: 10000.0,
             style,
+            numerics: Numerics::Standard,
         };
         body.extend([
             Op::RmsNorm {

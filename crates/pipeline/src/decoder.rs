@@ -573,6 +573,7 @@ impl Decoder {
                 crate::model::RopeStyle::Interleaved => npu_hal::RopeStyle::Interleaved,
                 crate::model::RopeStyle::HalfSplit => npu_hal::RopeStyle::HalfSplit,
             },
+            numerics: policy.numerics,
         };
         let mut body = vec![Op::Embed {
             table: embd,

@@ -1584,6 +1584,7 @@ impl VulkanNpu {
                 head_dim,
                 theta,
                 style,
+                ..
             } => {
                 let table = self.rope_table(head_dim, theta)?;
                 let (_, freqs, theta_scale) = &self.rope_tables[table];
@@ -3474,6 +3475,7 @@ mod tests {
             head_dim: 64,
             theta: 1e4,
             style: RopeStyle::Interleaved,
+            numerics: Numerics::Standard,
         };
         let mut ops = vec![Op::Embed {
             table: w(0),
