@@ -116,11 +116,12 @@ pub const MAX_ROPE_HEAD_DIM: usize = 512;
 /// - `Standard`: IEEE f32 with the platform's `expf`; f32 attention.
 /// - `Ggml(build)`: what one x86 build of ggml's CPU backend computes, step for step: its
 ///   vectorised `expf` approximation inside SiLU, and its f16 flash attention (query rounded to
-///   f16, dot products summed in its register order, V accumulated in f16), on any x86 CPU
-///   with FMA: the orders are computed, not taken from the host's vector unit. With the block
-///   weights of [`crate::ggml`], a GGUF model's logits on a prompt under 64 tokens are
-///   bit-identical to those of llama.cpp built as `build` (pipeline's `smollm2` tests check
-///   both builds). That is what makes them comparable token for token. It is not more
+///   f16, dot products summed in its register order, V accumulated in f16), with the
+///   multiply-adds GCC fuses in ggml's C (RoPE's rotation, the softmax's running sum), on any
+///   x86 CPU with FMA: the orders are computed, not taken from the host's vector unit. With the
+///   block weights of [`crate::ggml`], a GGUF model's logits on a prompt under 64 tokens and a
+///   context under 512 are bit-identical to those of llama.cpp built as `build` (pipeline's
+///   `smollm2` tests check both builds; ggml switches attention kernels past those sizes). That is what makes them comparable token for token. It is not more
 ///   accurate; it is comparable.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Numerics {

@@ -21,10 +21,9 @@ use std::sync::Arc;
 use kv_paged::{KvCache, KvLayout, PageDtype};
 use mx_quant::{ElemFormat, QuantOptions, ScaleRule};
 use npu_hal::{
-    ActivationRounding, Batch, DenseMatrix, Device, Op, Rows, Submission, TensorId, Weight,
-    WeightId,
+    ActivationRounding, Batch, DenseMatrix, Device, GgmlBuild, Numerics, Op, Rows, Submission,
+    TensorId, Weight, WeightId,
 };
-use npu_hal::{GgmlBuild, Numerics};
 use sync_timeline::{CpuTimeline, Timeline};
 
 use crate::model::{LoadError, ModelConfig, TensorSource};
