@@ -137,8 +137,9 @@ pub struct WeightPolicy {
     /// blocks for block-quantized weights, f16 for f16...), so `exact` reproduces llama.cpp's
     /// numbers; `false` keeps activations in f32 (`exact-f32`).
     pub source_activations: bool,
-    /// Standard f32 arithmetic, or ggml's (its SiLU `expf` and f16 flash attention) for `exact`,
-    /// which with ggml's block weights makes the logits bit-identical to llama.cpp's.
+    /// Standard f32 arithmetic, or one ggml build's (`npu_hal::Numerics::Ggml`: its SiLU `expf`,
+    /// f16 flash attention and fused RoPE) for `exact`, which with ggml's block weights makes the
+    /// logits bit-identical to that llama.cpp build's on the CPU NPU.
     pub numerics: Numerics,
 }
 
