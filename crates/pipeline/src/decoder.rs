@@ -314,6 +314,10 @@ pub struct LoadReport {
     pub cache_written: Option<std::path::PathBuf>,
     /// Why the cache could not be read or written, if it could not (loading went on without it).
     pub cache_problem: Option<String>,
+    /// Set when the policy asks for ggml's numerics on a device that does not run them (only
+    /// the CPU NPU does): the device keeps the GGUF's blocks and its activation rounding but
+    /// computes the rest its own way, so the logits are close to llama.cpp's, not identical.
+    pub numerics_note: Option<String>,
 }
 
 /// A loaded model on a device, with its KV cache and one sequence.
@@ -547,6 +551,17 @@ impl Decoder {
             report.stream_bytes_per_token -= embd_bytes;
         }
         report.weight_bytes = device.weight_bytes();
+        let info = device.info();
+        if matches!(options.policy.numerics, Numerics::Ggml(_))
+            && info.kind != npu_hal::DeviceKind::Cpu
+        {
+            report.numerics_note = Some(format!(
+                "{} runs the {} policy's blocks and activation rounding but not ggml's CPU \
+                 numerics (f16 flash attention, vectorised expf, fused RoPE): its logits are \
+                 close to llama.cpp's, not bit-identical (the CPU NPU's are)",
+                info.name, options.policy.name
+            ));
+        }
 
         let c = &config;
         let policy = &options.policy;

@@ -614,6 +614,9 @@ impl ModelArgs {
         if let Some(why) = &r.cache_problem {
             eprintln!("warning: converted-weight cache not used: {why}");
         }
+        if let Some(note) = &r.numerics_note {
+            eprintln!("note: {note}");
+        }
         eprintln!(
             "loaded {} in {:.2} s: policy {}, {:.2} bits/weight, {:.1} MiB of weights, on {} ({} threads, {})",
             self.model.display(),

@@ -105,6 +105,14 @@ fn gpu_decoder_logits_match_the_cpu_on_tiny_llama() {
         let Some((mut cpu, mut gpu)) = pair(model, policy, kv) else {
             return;
         };
+        // Only exact asks for ggml's numerics, which only the CPU NPU runs: the GPU says so.
+        assert_eq!(
+            gpu.report().numerics_note.is_some(),
+            policy == "exact",
+            "{policy}: {:?}",
+            gpu.report().numerics_note
+        );
+        assert!(cpu.report().numerics_note.is_none());
         // One prefill batch (the tiled kernels), then token by token (the per-row kernels).
         let (mut want, mut got) = (all_logits(&mut cpu, &IDS), all_logits(&mut gpu, &IDS));
         for &t in &IDS[..6] {

@@ -405,6 +405,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         decoder.device().info().isa,
         decoder.options().policy.name
     ));
+    notes.extend(decoder.report().numerics_note.clone());
 
     let vision = match &spec.vlm {
         Some(dir) => {
