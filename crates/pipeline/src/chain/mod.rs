@@ -993,12 +993,14 @@ fn pump_encoder(
         }
         // Prefill first: not while the decoder prefills.
         if let Some(gate) = prefill_gate {
+            let before = Instant::now();
             if !gate.wait_open(|| rx.stopped()) {
                 return Ok(());
             }
-            let waited = start.elapsed();
+            let waited = before.elapsed();
             if waited > Duration::from_micros(100) {
-                log.span("wait for prefill", Some(item.frame), start, waited);
+                log.span("wait for prefill", Some(item.frame), before, waited);
+                // The encoder's latency counts from here: the wait was for the decoder.
                 start = Instant::now();
             }
         }
