@@ -88,6 +88,25 @@ fn llama_cpp_runs() -> Vec<LlamaCppRun> {
         .collect()
 }
 
+/// A fixture's token ids (a JSON array of integers).
+fn token_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("an array of token ids")
+        .iter()
+        .map(|t| u32::try_from(t.as_u64().expect("a token id")).expect("a 32-bit token id"))
+        .collect()
+}
+
+/// A logits row's SHA-256 over its little-endian f32 bytes, as `make.py` hashes llama.cpp's.
+fn row_sha256(row: &[f32]) -> String {
+    use sha2::{Digest, Sha256};
+    let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// The `exact:BUILD` policy's greedy completion of the README's prompt is llama.cpp's, every
 /// one of its 20 tokens, for each committed build.
 #[test]
@@ -98,12 +117,7 @@ fn exact_policy_completes_the_prompt_as_llama_cpp_does() {
         let prompt = tok
             .encode(run.expected["prompt"].as_str().unwrap(), false)
             .unwrap();
-        let want: Vec<u32> = run.expected["completion_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let want = token_ids(&run.expected["completion_ids"]);
         let mut ids = Vec::new();
         pipeline::llm::generate(
             &mut d,
@@ -167,24 +181,11 @@ fn default_mx_policy_perplexity_is_within_ten_percent_of_q4_1() {
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
-    use sha2::{Digest, Sha256};
-    let hex = |row: &[f32]| -> String {
-        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Sha256::digest(&bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
     let mut failures = Vec::new();
     for run in llama_cpp_runs() {
         let (mut d, tok) = open(&format!("exact:{}", run.build.name()));
         let prompt = run.expected["prompt"].as_str().unwrap();
-        let tokens: Vec<u32> = run.expected["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = token_ids(&run.expected["tokens"]);
         assert_eq!(tok.encode(prompt, false).unwrap(), tokens, "tokenization");
         let mut rows: Vec<Vec<f32>> = Vec::new();
         d.forward(&tokens, 0..tokens.len(), |_, l| rows.push(l.to_vec()))
@@ -211,7 +212,7 @@ fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
             .iter()
             .zip(&want)
             .enumerate()
-            .filter(|(_, (row, h))| hex(row) != **h)
+            .filter(|(_, (row, h))| row_sha256(row) != **h)
             .map(|(i, _)| i)
             .collect();
         eprintln!(
@@ -239,21 +240,6 @@ fn exact_policy_logits_are_bit_identical_to_llama_cpp() {
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn exact_policy_decode_steps_are_bit_identical_to_llama_cpp() {
-    use sha2::{Digest, Sha256};
-    let hex = |row: &[f32]| -> String {
-        let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Sha256::digest(&bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect()
-    };
     let mut checked = 0;
     for run in llama_cpp_runs() {
         let Some(want) = run.expected["completion_row_sha256"].as_array() else {
@@ -261,15 +247,16 @@ fn exact_policy_decode_steps_are_bit_identical_to_llama_cpp() {
             continue;
         };
         let (mut d, _) = open(&format!("exact:{}", run.build.name()));
-        let prompt = ids(&run.expected["tokens"]);
-        let completion = ids(&run.expected["completion_ids"]);
+        let prompt = token_ids(&run.expected["tokens"]);
+        let completion = token_ids(&run.expected["completion_ids"]);
         assert_eq!(want.len(), completion.len());
         d.forward(&prompt, prompt.len() - 1..prompt.len(), |_, _| {})
             .unwrap();
         let mut differing = Vec::new();
         for (step, (&t, h)) in completion.iter().zip(want).enumerate() {
             let mut row = None;
-            d.forward(&[t], 0..1, |_, l| row = Some(hex(l))).unwrap();
+            d.forward(&[t], 0..1, |_, l| row = Some(row_sha256(l)))
+                .unwrap();
             if row.as_deref() != h.as_str() {
                 differing.push(step);
             }

@@ -289,6 +289,12 @@ impl<T, B> Shared<T, B> {
         Ok(())
     }
 
+    /// Whether a live ring holds an item published and not yet received.
+    fn live_has_ready(&self) -> bool {
+        self.live()
+            .is_ok_and(|live| live.states.iter().any(|s| matches!(s, SlotState::Ready(_))))
+    }
+
     fn live(&self) -> Result<std::sync::MutexGuard<'_, Live>, Ended> {
         self.live
             .as_ref()
@@ -338,10 +344,7 @@ impl<T, B: Clone> Producer<T, B> {
     /// lossless ring counts the item the consumer holds too).
     pub fn has_ready(&self) -> bool {
         match &self.shared.live {
-            Some(_) => self
-                .shared
-                .live()
-                .is_ok_and(|live| live.states.iter().any(|s| matches!(s, SlotState::Ready(_)))),
+            Some(_) => self.shared.live_has_ready(),
             None => self.next > self.shared.freed.current(),
         }
     }
@@ -549,10 +552,7 @@ impl<T, B: Clone> Consumer<T, B> {
     /// of the stream).
     pub fn has_ready(&self) -> bool {
         match &self.shared.live {
-            Some(_) => self
-                .shared
-                .live()
-                .is_ok_and(|live| live.states.iter().any(|s| matches!(s, SlotState::Ready(_)))),
+            Some(_) => self.shared.live_has_ready(),
             None => {
                 self.shared.filled.current() > self.next
                     && self.next < self.shared.end.load(Ordering::SeqCst)

@@ -342,8 +342,8 @@ pub fn run(
     // Live streams: when each slow stage will take its next input (see `demand`).
     let embed_demand = &demand::Demand::new(origin);
     let pixels_demand = &demand::Demand::new(origin);
-    let prefill_gate = &prefill_first::PrefillGate::new();
-    let prefill_first = options.prefill_first;
+    // Prefill first: shared by the decoder (here) and the encoder thread, when asked for.
+    let prefill_gate = &options.prefill_first.then(prefill_first::PrefillGate::new);
     // Ahead-of-time submission: the source mirrors its frames' readiness onto a timeline the
     // ISP waits on in its queue, and announces each frame before writing it.
     let ahead = options.ahead
@@ -425,7 +425,7 @@ pub fn run(
                 &mut *encoder,
                 (encoder_handled, ahead.then_some(&*frames_written)),
                 options.skip_similar,
-                prefill_first.then_some(prefill_gate),
+                prefill_gate.as_ref(),
             );
             // Nothing more will be handled: an ISP waiting on this count goes on (and ends).
             let _ = encoder_handled.signal(u64::MAX);
@@ -453,8 +453,10 @@ pub fn run(
             embed_demand.taking_at(None);
             // Waiting for an image: the encoder has the cores. With one waiting, they stay
             // the next prefill's.
-            if !embed_rx.has_ready() {
-                prefill_gate.open();
+            if let Some(gate) = prefill_gate
+                && !embed_rx.has_ready()
+            {
+                gate.open();
             }
             // A live ring hands over its newest item and counts the older ones as dropped.
             let received = match embed_rx.receive() {
@@ -488,10 +490,14 @@ pub fn run(
                 ready: &ready,
                 unchanged,
             };
-            prefill_gate.close();
+            if let Some(gate) = prefill_gate {
+                gate.close();
+            }
             let result = decoder.describe(image, &mut |text| {
                 // The first token: the prefill is over.
-                prefill_gate.open();
+                if let Some(gate) = prefill_gate {
+                    gate.open();
+                }
                 on_event(Event::Text {
                     frame: item.frame,
                     text,
@@ -500,7 +506,9 @@ pub fn run(
             });
             // Before the slot goes back: the encoder must not start on it during the next
             // prefill.
-            prefill_gate.close();
+            if let Some(gate) = prefill_gate {
+                gate.close();
+            }
             embed_rx.release();
             let elapsed = start.elapsed();
             decode_time.add(elapsed);
@@ -547,7 +555,9 @@ pub fn run(
         }
         // Whatever ended the loop, upstream must stop waiting for this consumer.
         embed_rx.abandon();
-        prefill_gate.open();
+        if let Some(gate) = prefill_gate {
+            gate.open();
+        }
         report.frames_dropped += embed_rx.dropped();
 
         // A stage that panicked (a bug in its implementation) fails the run like an error;
