@@ -807,6 +807,47 @@ fn unsupported_programs_are_refused_by_name() {
     let mut out = vec![0f32; HIDDEN];
     gpu.read_tensor(y, 0..1, &mut out).unwrap();
     assert!(out.iter().all(|&v| (v - 1.0).abs() < 1e-5), "{out:?}");
+    // A program checked once for a batch shape is checked again for another: 5 rows do not
+    // fit tensors of 4, however many 1-row batches passed before.
+    let err = submit_without_cache(&mut gpu, &ok, &[0; 5]).unwrap_err();
+    assert!(err.to_string().contains("rms_norm"), "{err}");
+}
+
+/// A decode program whose ops were checked at one batch shape still checks what changes from
+/// step to step: the token ids, and KV slots that do not match the batch.
+#[test]
+fn a_program_checked_once_still_refuses_bad_steps() {
+    let Some(mut gpu) = gpu() else { return };
+    let model = load(&mut gpu, Storage::Mx(ElemFormat::Fp6E2M3), 7);
+    let mut kv = kv_cache(PageDtype::F16);
+    let submit = |gpu: &mut VulkanNpu, kv: &mut KvCache, tokens: &[u32], slots: &[_], pos| {
+        gpu.submit(Submission {
+            ops: &model.body,
+            batch: Batch {
+                tokens,
+                first_pos: pos,
+                seq: 0,
+                slots,
+                select: 0..0,
+                embeddings: None,
+            },
+            kv: Some(kv),
+            attention: None,
+            wait: None,
+            signal: None,
+            live: None,
+        })
+    };
+    for pos in 0..3 {
+        let appended = kv.append(0, &[pos as u32]).expect("append");
+        submit(&mut gpu, &mut kv, &[pos as u32], &appended.slots, pos).expect("a good step");
+    }
+    let appended = kv.append(0, &[1]).expect("append");
+    let err = submit(&mut gpu, &mut kv, &[VOCAB as u32], &appended.slots, 3).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    let err = submit(&mut gpu, &mut kv, &[1], &[], 3).unwrap_err();
+    assert!(err.to_string().contains("slots"), "{err}");
+    submit(&mut gpu, &mut kv, &[1], &appended.slots, 3).expect("the step, good again");
 }
 
 /// Runs a 100-token prefill whose rows 10..40 take their embeddings from `data` (instead of the

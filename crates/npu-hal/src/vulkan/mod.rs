@@ -432,6 +432,21 @@ struct Program {
     recorded: HashMap<RecordKey, Recorded>,
     /// The completion value of its last submission: the step buffer is rewritten only after it.
     last: u64,
+    /// The batch shape its ops were last checked against ([`ValidShape`]), so a run of decode
+    /// steps checks them once rather than every step.
+    checked: Option<ValidShape>,
+}
+
+/// What a program's op checks (`check_op`, `VulkanNpu::check_gpu`) depend on besides the ops
+/// and the shapes of their weights and tensors, which never change once made: a batch with no
+/// spliced embeddings (whose buffers differ from batch to batch) of `tokens` rows with `slots`
+/// KV slots, selecting `select`, over a cache of layout `kv`.
+#[derive(Clone, Debug, PartialEq)]
+struct ValidShape {
+    tokens: usize,
+    slots: usize,
+    select: Range<usize>,
+    kv: Option<KvLayout>,
 }
 
 type RecordKey = (usize, usize, u32);
@@ -1186,6 +1201,7 @@ impl VulkanNpu {
             dispatches: Vec::new(),
             recorded: HashMap::new(),
             last: 0,
+            checked: None,
         };
         match self.fill_program(&mut program, splice_width, stats) {
             Ok(()) => Ok(program),
@@ -3076,18 +3092,31 @@ impl VulkanNpu {
             Some(k) if has_attention => Some(self.mirror(k)?),
             _ => None,
         };
+        let stats = attention.is_some();
+        let found = self.find_program(ops, kv_key, stats, live);
+        let shape = batch.embeddings.is_none().then(|| ValidShape {
+            tokens: batch.tokens.len(),
+            slots: batch.slots.len(),
+            select: batch.select.clone(),
+            kv: kv.map(|k| *k.layout()),
+        });
+        let checked = shape.is_some()
+            && found.is_some_and(|pi| self.programs[pi].checked.as_ref() == shape.as_ref());
         let weight_shape = |w: WeightId| self.weight_shape_of(w);
         let tensor_shape = |t: TensorId| self.tensor_shape(t);
         for (i, op) in ops.iter().enumerate() {
-            check_op(
-                i,
-                op,
-                &batch,
-                kv.map(KvCache::layout),
-                &weight_shape,
-                &tensor_shape,
-            )?;
-            self.check_gpu(i, op)?;
+            if !checked {
+                check_op(
+                    i,
+                    op,
+                    &batch,
+                    kv.map(KvCache::layout),
+                    &weight_shape,
+                    &tensor_shape,
+                )?;
+                self.check_gpu(i, op)?;
+            }
+            // Token ids change every step: always checked.
             if let Op::Embed { table, .. } = op {
                 let (vocab, _) = self.weight_shape_of(*table).unwrap_or((0, 0));
                 let spliced = batch.embeddings.as_ref().map_or(0..0, |e| e.rows.clone());
@@ -3106,8 +3135,7 @@ impl VulkanNpu {
                 }
             }
         }
-        let stats = attention.is_some();
-        let pi = match self.find_program(ops, kv_key, stats, live) {
+        let pi = match found {
             Some(i) => i,
             None => {
                 let p = self.build_program(ops, kv_key, stats, live)?;
@@ -3115,6 +3143,7 @@ impl VulkanNpu {
                 self.programs.len() - 1
             }
         };
+        self.programs[pi].checked = shape;
         // The step buffer is rewritten only once the program's last run is done (and its
         // timestamps are read before it runs again).
         self.wait_done(self.programs[pi].last)?;
