@@ -341,13 +341,15 @@ fn cpu() -> CpuNpu {
     .expect("cpu")
 }
 
-/// The GPU backend with the tiled prefill attention, decode attention split over 4
-/// workgroups per head (merged by the last) and a spinning host wait, none of which lavapipe
-/// takes by default.
+/// The GPU backend with the tiled prefill attention (its keys cut over up to 3 workgroups per
+/// row block and head: uneven ranges), decode attention split over 4 workgroups per head (each
+/// merged by the last to finish) and a spinning host wait, none of which lavapipe takes by
+/// default.
 fn gpu() -> Option<VulkanNpu> {
     gpu_with(VulkanConfig {
         tiled_attention: Some(true),
         attention_splits: Some(4),
+        tiled_attention_splits: Some(3),
         host_wait: Some(HostWait::Spin),
         ..VulkanConfig::default()
     })

@@ -126,6 +126,14 @@ pub struct VulkanConfig {
     /// implementation (lavapipe), which runs workgroups a few at a time anyway. Attention that
     /// keeps statistics for KV pruning is never split.
     pub attention_splits: Option<u32>,
+    /// Workgroups each (32-row block, head) of a long batch's tiled attention is cut over, 1
+    /// to 16: each takes a contiguous range of the key blocks the rows see and the last to
+    /// finish merges their partial results (`shaders/attention_tiled.wgsl`), so the row blocks
+    /// that see every key of a long prompt are not the critical path alone. Only in programs
+    /// whose decode attention is split ([`VulkanConfig::attention_splits`] > 1), which hold
+    /// the buffers. `None` (the default, unless `NPU_HAL_TILED_SPLITS` is set): 4 on a GPU, 1
+    /// on a CPU implementation.
+    pub tiled_attention_splits: Option<u32>,
     /// How the host waits for results. `None` (the default, unless `NPU_HAL_HOST_WAIT` is
     /// `block`, `spin` or `nap`): [`HostWait::Nap`] on a GPU, which on the H200 decoded at
     /// 840-845 tokens/s against 773-810 blocking and 851-870 spinning, with a blocking wait's
@@ -179,6 +187,7 @@ impl Default for VulkanConfig {
                 _ => None,
             },
             attention_splits: env_parse("NPU_HAL_ATTENTION_SPLITS"),
+            tiled_attention_splits: env_parse("NPU_HAL_TILED_SPLITS"),
             host_wait: match std::env::var("NPU_HAL_HOST_WAIT").as_deref() {
                 Ok("block") => Some(HostWait::Block),
                 Ok("spin") => Some(HostWait::Spin),
@@ -349,6 +358,9 @@ const GEMM_TILE: u32 = 64;
 const GPU_ATTENTION_SPLITS: u32 = 16;
 const CPU_ATTENTION_SPLITS: u32 = 1;
 const MAX_ATTENTION_SPLITS: u32 = 64;
+/// [`VulkanConfig::tiled_attention_splits`]'s default on a GPU, and the most it takes.
+const GPU_TILED_ATTENTION_SPLITS: u32 = 4;
+const MAX_TILED_ATTENTION_SPLITS: u32 = 16;
 
 /// [`VulkanConfig::wait_timeout`]'s defaults: on a GPU, and on a CPU implementation of Vulkan.
 const GPU_WAIT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -557,6 +569,8 @@ pub struct VulkanNpu {
     tiled_attention: bool,
     /// [`VulkanConfig::attention_splits`].
     attention_splits: u32,
+    /// [`VulkanConfig::tiled_attention_splits`].
+    tiled_attention_splits: u32,
     kernel_times: Mutex<HashMap<Kernel, (u64, f64)>>,
     counters: Counters,
     wait_timeout: Duration,
@@ -724,6 +738,14 @@ impl VulkanNpu {
                     GPU_ATTENTION_SPLITS
                 })
                 .clamp(1, MAX_ATTENTION_SPLITS),
+            tiled_attention_splits: config
+                .tiled_attention_splits
+                .unwrap_or(if ctx.adapter.is_cpu() {
+                    1
+                } else {
+                    GPU_TILED_ATTENTION_SPLITS
+                })
+                .clamp(1, MAX_TILED_ATTENTION_SPLITS),
             gemv_lanes,
             gemv_wide_lanes: config.gemv_wide_lanes.unwrap_or(if ctx.adapter.is_cpu() {
                 gemv_lanes
@@ -1842,6 +1864,12 @@ impl VulkanNpu {
                 head_dim: hd,
                 rope,
                 rope_q: q_rope.is_some(),
+                // The ranges' partials and counters are the split decode attention's buffers.
+                splits: if p.splits.is_some() {
+                    self.tiled_attention_splits
+                } else {
+                    1
+                },
             });
         let grid = Grid::Attention {
             heads: q_heads as u32,
@@ -1855,7 +1883,9 @@ impl VulkanNpu {
 
     /// Program `p`'s split-attention buffers, when its attention is split: room for
     /// [`shaders::SPLIT_ROWS`] rows of the widest attention op's query heads, `splits` partial
-    /// results of head_dim + 2 values each, and a counter per layer, row and head.
+    /// results of head_dim + 2 values each, and a counter per layer, row and head; or, where
+    /// more, the tiled attention's: every row's partials for each of its key ranges, and a
+    /// counter per layer, row block and head.
     fn split_buffers(
         &self,
         p: &Program,
@@ -1874,15 +1904,22 @@ impl VulkanNpu {
         else {
             return Ok(None);
         };
-        let rows = shaders::SPLIT_ROWS as usize;
+        // The decode attention's (rows, splits) and the tiled attention's, which share them.
+        let (rows, splits) = (shaders::SPLIT_ROWS as usize, self.attention_splits as usize);
+        let (tiled_rows, tiled_splits) = match self.tiled_attention {
+            true => (p.rows, self.tiled_attention_splits as usize),
+            false => (0, 1),
+        };
+        let tiled_blocks = tiled_rows.div_ceil(shaders::TILED_ATTENTION_ROWS as usize);
         let limit = u64::from(self.ctx.max_storage_range);
-        let partial_bytes = (rows * q_heads)
-            .checked_mul(self.attention_splits as usize * (k.layout.head_dim + 2) * 4)
+        let partial_bytes = (rows * splits)
+            .max(tiled_rows * tiled_splits)
+            .checked_mul(q_heads * (k.layout.head_dim + 2) * 4)
             .filter(|&b| b as u64 <= limit)
             .ok_or(Error::Limit {
                 what: "split attention's partial results (rows x heads x splits x head size)",
             })?;
-        let counter_bytes = (k.layout.layers * rows)
+        let counter_bytes = (k.layout.layers * rows.max(tiled_blocks))
             .checked_mul(q_heads * 4)
             .filter(|&b| b as u64 <= limit)
             .ok_or(Error::Limit {
@@ -2446,7 +2483,14 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             heads,
             tiled: Some(tiled),
             ..
-        } if n > SHORT_BATCH => (tiled, [n.div_ceil(shaders::TILED_ATTENTION_ROWS), heads, 1]),
+        } if n > SHORT_BATCH => {
+            let splits = match tiled {
+                Kernel::AttentionTiled { splits, .. } => splits,
+                _ => 1,
+            };
+            let blocks = n.div_ceil(shaders::TILED_ATTENTION_ROWS);
+            (tiled, [blocks, heads, splits])
+        }
         Grid::Attention { heads, paged, .. } if n > SHORT_BATCH => (paged, [n, heads, 1]),
         Grid::Attention { heads, .. } => {
             let splits = match kernel {

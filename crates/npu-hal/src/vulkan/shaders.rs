@@ -180,13 +180,15 @@ pub(crate) enum Kernel {
         splits: u32,
     },
     /// Attention for long batches, tiled (`shaders/attention_tiled.wgsl`): a workgroup per
-    /// [`TILED_ATTENTION_ROWS`] rows and head, every key read from the pages; `rope` and
-    /// `rope_q` as for [`Kernel::Attention`]. No statistics.
+    /// [`TILED_ATTENTION_ROWS`] rows, head and range of keys (up to `splits` ranges, merged by
+    /// the last to finish through bindings 9 and 10), every key read from the pages; `rope`
+    /// and `rope_q` as for [`Kernel::Attention`]. No statistics.
     AttentionTiled {
         kv: KvFormat,
         head_dim: u32,
         rope: u32,
         rope_q: bool,
+        splits: u32,
     },
 }
 
@@ -346,7 +348,9 @@ impl Kernel {
                 head_dim,
                 rope,
                 rope_q,
+                splits,
             } => {
+                s.push_str(&format!("const SPLITS: u32 = {splits}u;\n"));
                 attention(&mut s, kv, head_dim, rope, rope_q, false, false);
                 s.push_str(ATTENTION_TILED);
             }
@@ -636,12 +640,13 @@ mod tests {
                             splits,
                         });
                     }
-                    kernels.push(Kernel::AttentionTiled {
+                    kernels.extend([1, 4].map(|splits| Kernel::AttentionTiled {
                         kv,
                         head_dim,
                         rope,
                         rope_q,
-                    });
+                        splits,
+                    }));
                 }
             }
         }

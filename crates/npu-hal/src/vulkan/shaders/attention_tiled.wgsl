@@ -10,9 +10,22 @@
 // invocations of a row keep the row's online softmax (max m, sum l) in step, merging their
 // partial maxima and sums through workgroup memory once per key block. The module declares HD
 // (head_dim, a multiple of 8), ROPE and ROPE_Q (Q is rotated as it is loaded) as the row kernel
-// does; it keeps no attention statistics (programs that do take the row kernel).
+// does, and SPLITS; it keeps no attention statistics (programs that do take the row kernel).
+//
+// With SPLITS > 1 the key blocks a row block sees are cut into up to SPLITS contiguous ranges,
+// one workgroup each (grid z), so the last row blocks of a long prompt, which see every key,
+// no longer make the critical path alone: each range writes its rows' partial results (the
+// unnormalised output, the maximum and the sum) to `partials` and counts itself done on the
+// (layer, row block, head) counter, and the last to finish merges them, as the split decode
+// attention does (attention.wgsl: device-scope publication around the counter's atomic, no
+// workgroup waits on another). A row block whose keys fit fewer ranges takes fewer, and one
+// with a single range writes its output directly.
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(9) var<storage, read_write> partials: array<f32>;
+@group(0) @binding(10) var<storage, read_write> split_counters: array<atomic<u32>>;
+// Whether this workgroup is the last of its (row block, head) to finish (SPLITS > 1).
+var<workgroup> merges: u32;
 
 const BQ: u32 = 32u;
 const BKEY: u32 = 32u;
@@ -73,6 +86,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     // Keys every row of the block may see: up to the last row's own (causal).
     let last_row = min(row0 + BQ, n) - 1u;
     let keys = cached + last_row + 1u;
+    // This workgroup's range of key blocks (all of them when SPLITS is 1): `used` ranges of
+    // `chunk` blocks hold every key; a workgroup past them has none and is not counted.
+    let blocks = (keys + BKEY - 1u) / BKEY;
+    let chunk = (blocks + SPLITS - 1u) / SPLITS;
+    let used = (blocks + chunk - 1u) / chunk;
+    if (wg.z >= used) {
+        return;
+    }
+    let k_lo = wg.z * chunk * BKEY;
+    let k_hi = min(keys, k_lo + chunk * BKEY);
     // This row's last key (rows past the batch see key 0 only, and write nothing).
     let own = cached + min(row, last_row);
     var m = -3.0e38;
@@ -81,7 +104,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var i = 0u; i < DIMS_PER_LANE; i++) {
         acc[i] = 0.0;
     }
-    for (var k0 = 0u; k0 < keys; k0 += BKEY) {
+    for (var k0 = k_lo; k0 < k_hi; k0 += BKEY) {
         // The previous block's tiles, probabilities and partial sums are no longer read (and
         // the queries are written). Four barriers per key block in all.
         workgroupBarrier();
@@ -91,7 +114,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let j = k0 + kk;
             var k2 = vec2<f32>(0.0);
             var v2 = vec2<f32>(0.0);
-            if (j < keys) {
+            if (j < k_hi) {
                 let block = step_block(j / pc.block_tokens);
                 let token = j % pc.block_tokens;
                 k2 = kv_pair(kv_page(block, 0u, kvh), token, p);
@@ -103,20 +126,24 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             vs[kk * QS + 2u * p + 1u] = v2.y;
         }
         workgroupBarrier();
+        // Each query element is read once for this invocation's KEYS_PER_LANE keys.
         var s: array<f32, KEYS_PER_LANE>;
+        for (var t = 0u; t < KEYS_PER_LANE; t++) {
+            s[t] = 0.0;
+        }
+        for (var d = 0u; d < HD; d++) {
+            let qd = qs[r * QS + d];
+            for (var t = 0u; t < KEYS_PER_LANE; t++) {
+                s[t] += qd * ks[(c + t * LANES) * QS + d];
+            }
+        }
         var local_max = -3.0e38;
         for (var t = 0u; t < KEYS_PER_LANE; t++) {
-            let kk = c + t * LANES;
-            var dot = 0.0;
-            for (var d = 0u; d < HD; d++) {
-                dot += qs[r * QS + d] * ks[kk * QS + d];
-            }
             // Keys past this row's own are masked out.
-            if (k0 + kk > own) {
-                dot = -3.0e38;
+            if (k0 + c + t * LANES > own) {
+                s[t] = -3.0e38;
             }
-            s[t] = dot;
-            local_max = max(local_max, dot);
+            local_max = max(local_max, s[t]);
         }
         red_m[lid] = local_max;
         workgroupBarrier();
@@ -124,8 +151,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         for (var t = 0u; t < LANES; t++) {
             block_max = max(block_max, red_m[r * LANES + t]);
         }
-        // Block 0 always holds key 0, which every row sees: m is finite from then on, and a
-        // block this row sees none of leaves it unchanged.
+        // Block 0 holds key 0, which every row sees: m is finite from then on, and a block
+        // this row sees none of leaves it unchanged. A later range's rows may see none of its
+        // keys: they keep m = -3e38 and l = 0, weight 0 in the merge.
         let m_new = max(m, block_max);
         let corr = exp(m - m_new);
         var local_sum = 0.0;
@@ -145,20 +173,68 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             block_sum += red_l[r * LANES + t];
         }
         l = l * corr + block_sum;
+        // Each probability is read once for this invocation's DIMS_PER_LANE dims.
         for (var i = 0u; i < DIMS_PER_LANE; i++) {
-            let d = c + i * LANES;
-            var o = acc[i] * corr;
-            for (var kk = 0u; kk < BKEY; kk++) {
-                o += ps[r * PS + kk] * vs[kk * QS + d];
+            acc[i] *= corr;
+        }
+        for (var kk = 0u; kk < BKEY; kk++) {
+            let p = ps[r * PS + kk];
+            for (var i = 0u; i < DIMS_PER_LANE; i++) {
+                acc[i] += p * vs[kk * QS + c + i * LANES];
             }
-            acc[i] = o;
         }
         m = m_new;
     }
+    let orow = row * qw + h * HD;
+    if (used == 1u) {
+        if (row < n) {
+            for (var i = 0u; i < DIMS_PER_LANE; i++) {
+                out[orow + c + i * LANES] = acc[i] / l;
+            }
+        }
+        return;
+    }
+    // Row `row`'s partial result for this range: HD values, then m and l.
+    let parts = (row * pc.q_heads + h) * SPLITS * (HD + 2u);
     if (row < n) {
-        let orow = row * qw + h * HD;
+        let mine = parts + wg.z * (HD + 2u);
         for (var i = 0u; i < DIMS_PER_LANE; i++) {
-            out[orow + c + i * LANES] = acc[i] / l;
+            partials[mine + c + i * LANES] = acc[i];
+        }
+        if (c == 0u) {
+            partials[mine + HD] = m;
+            partials[mine + HD + 1u] = l;
+        }
+    }
+    // Release: this range's partials are visible device-wide before it counts itself.
+    storageBarrier();
+    if (lid == 0u) {
+        let counter = (pc.layer * ((n + BQ - 1u) / BQ) + wg.x) * pc.q_heads + h;
+        merges = u32(atomicAdd(&split_counters[counter], 1u) == used - 1u);
+    }
+    if (workgroupUniformLoad(&merges) == 0u) {
+        return;
+    }
+    // Acquire: every other range's partials, published before its count, are seen here.
+    storageBarrier();
+    if (row < n) {
+        var big = -3.0e38;
+        for (var z = 0u; z < used; z++) {
+            big = max(big, partials[parts + z * (HD + 2u) + HD]);
+        }
+        var sum = 0.0;
+        for (var z = 0u; z < used; z++) {
+            let at = parts + z * (HD + 2u);
+            sum += partials[at + HD + 1u] * exp(partials[at + HD] - big);
+        }
+        for (var i = 0u; i < DIMS_PER_LANE; i++) {
+            let d = c + i * LANES;
+            var o = 0.0;
+            for (var z = 0u; z < used; z++) {
+                let at = parts + z * (HD + 2u);
+                o += partials[at + d] * exp(partials[at + HD] - big);
+            }
+            out[orow + d] = o / sum;
         }
     }
 }
