@@ -12,10 +12,11 @@
 //!   writes what it read), so independent ops (Q, K and V; gate and up) run together.
 //! - **Fused where the data flow allows** ([`fuse`]): an RMSNorm or SwiGLU whose only readers
 //!   are linear layers becomes their input stage, a residual add the output stage of the linear
-//!   layer before it, and RoPE folds into the KV write and the attention (which, for short
-//!   batches, reads the batch's own K and V from the tensors and so runs beside the KV write;
-//!   long batches read them back from the pages after it). On a discrete GPU a
-//!   decode step costs its chain of dependent dispatches, so each fold is a level saved.
+//!   layer before it, and RoPE folds into the KV write and the attention (which reads the
+//!   batch's own K and V from the tensors and so runs beside the KV write; the row kernel of
+//!   long batches, used where the tiled one is not, reads them back from the pages after it).
+//!   On a discrete GPU a decode step costs its chain of dependent dispatches, so each fold is a
+//!   level saved.
 //! - **Weights stay in their format**: MX (decoded in the kernels by mx-quant's WGSL library),
 //!   ggml Q4_0/Q4_1/Q8_0 (split into a quant plane and a scale plane, the bits unchanged), and
 //!   dense matrices as f16 or bf16 when every value is exactly one, f32 otherwise.
@@ -1840,9 +1841,10 @@ impl VulkanNpu {
         } else {
             vec![Resource::Tensor(q.0), Resource::Kv]
         };
-        // Long batches read this batch's keys back from the pages instead, after the KV write
-        // (one barrier): rotating and rounding every key for every row costs more there than
-        // the barrier does.
+        // The row kernel reads a long batch's keys back from the pages instead, after the KV
+        // write (one barrier): rotating and rounding every key for every row costs more there
+        // than the barrier does. The tiled kernel rotates each key once per workgroup, so it
+        // reads them from the tensors as a short batch does, beside the KV write.
         let paged = Kernel::Attention {
             kv: kvf,
             head_dim: hd,
@@ -1864,6 +1866,8 @@ impl VulkanNpu {
                 head_dim: hd,
                 rope,
                 rope_q: q_rope.is_some(),
+                rope_k: in_batch && k_rope.is_some(),
+                in_batch,
                 // The ranges' partials and counters are the split decode attention's buffers.
                 splits: if p.splits.is_some() {
                     self.tiled_attention_splits
@@ -2125,7 +2129,10 @@ impl VulkanNpu {
                 Kernel::Attention {
                     in_batch: false,
                     ..
-                } | Kernel::AttentionTiled { .. }
+                } | Kernel::AttentionTiled {
+                    in_batch: false,
+                    ..
+                }
             ) && !reads.contains(&Resource::Kv)
             {
                 reads.push(Resource::Kv);

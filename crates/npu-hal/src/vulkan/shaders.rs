@@ -181,13 +181,15 @@ pub(crate) enum Kernel {
     },
     /// Attention for long batches, tiled (`shaders/attention_tiled.wgsl`): a workgroup per
     /// [`TILED_ATTENTION_ROWS`] rows, head and range of keys (up to `splits` ranges, merged by
-    /// the last to finish through bindings 9 and 10), every key read from the pages; `rope`
-    /// and `rope_q` as for [`Kernel::Attention`]. No statistics.
+    /// the last to finish through bindings 9 and 10); `rope`, `rope_q`, `rope_k` and
+    /// `in_batch` as for [`Kernel::Attention`]. No statistics.
     AttentionTiled {
         kv: KvFormat,
         head_dim: u32,
         rope: u32,
         rope_q: bool,
+        rope_k: bool,
+        in_batch: bool,
         splits: u32,
     },
 }
@@ -348,10 +350,12 @@ impl Kernel {
                 head_dim,
                 rope,
                 rope_q,
+                rope_k,
+                in_batch,
                 splits,
             } => {
                 s.push_str(&format!("const SPLITS: u32 = {splits}u;\n"));
-                attention(&mut s, kv, head_dim, rope, rope_q, false, false);
+                attention(&mut s, kv, head_dim, rope, rope_q, rope_k, in_batch);
                 s.push_str(ATTENTION_TILED);
             }
         }
@@ -640,13 +644,17 @@ mod tests {
                             splits,
                         });
                     }
-                    kernels.extend([1, 4].map(|splits| Kernel::AttentionTiled {
-                        kv,
-                        head_dim,
-                        rope,
-                        rope_q,
-                        splits,
-                    }));
+                    for (in_batch, splits) in [(false, 1), (true, 1), (true, 4)] {
+                        kernels.push(Kernel::AttentionTiled {
+                            kv,
+                            head_dim,
+                            rope,
+                            rope_q,
+                            rope_k: rope_k && in_batch,
+                            in_batch,
+                            splits,
+                        });
+                    }
                 }
             }
         }

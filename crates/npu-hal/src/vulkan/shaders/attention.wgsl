@@ -36,16 +36,6 @@ var<workgroup> accs: array<f32, WG * (HD + 1u)>;
 // Whether this workgroup is the last of its (row, head) to finish (SPLITS > 1).
 var<workgroup> merges: u32;
 
-// Two values as a page of the cache's dtype would give them back (f32, f16 or bf16).
-fn as_stored(x: vec2<f32>) -> vec2<f32> {
-    if (KV_DTYPE == 1u) {
-        return unpack2x16float(pack2x16float(x));
-    } else if (KV_DTYPE == 2u) {
-        return vec2<f32>(bitcast<f32>(bf16_bits(x.x) << 16u), bitcast<f32>(bf16_bits(x.y) << 16u));
-    }
-    return x;
-}
-
 // The scaled score of cache key `j` against the query in `qs`: from the k tensor when the key
 // is this batch's (`in_batch`, rotated here with ROPE_K), else from its page.
 fn key_score(j: u32, first: u32, cached: u32, kvh: u32, kvw: u32) -> f32 {

@@ -1,16 +1,19 @@
 // Causal grouped-query attention for long batches (prefill), tiled as flash attention: one
-// workgroup per (block of BQ batch rows, query head). Every key comes from the pages, after the
-// KV write, and is found by its index in the cache; a block of BKEY keys and their values is
-// staged in workgroup memory once and scored against all BQ rows, so a key is read from memory
-// once per workgroup instead of once per row (the row kernel, attention.wgsl, reads it once per
-// row and head).
+// workgroup per (block of BQ batch rows, query head). Keys are found by their index in the
+// cache: earlier ones come from the pages, and this batch's from the k and v tensors when
+// INBATCH is 1 (rotated here with ROPE_K and rounded to the page dtype as the KV write stores
+// them, so the kernel need not wait for that write), else from the pages after the KV write.
+// A block of BKEY keys and their values is staged in workgroup memory once and scored against
+// all BQ rows, so a key is read from memory (and rotated) once per workgroup instead of once per
+// row (the row kernel, attention.wgsl, reads it once per row and head).
 //
 // Invocation (r, c) = (lid / 8, lid % 8) works for row r of the block: it scores keys c, c + 8,
 // c + 16 and c + 24 of each key block, and keeps output dims c, c + 8, ... of its row. The eight
 // invocations of a row keep the row's online softmax (max m, sum l) in step, merging their
 // partial maxima and sums through workgroup memory once per key block. The module declares HD
-// (head_dim, a multiple of 8), ROPE and ROPE_Q (Q is rotated as it is loaded) as the row kernel
-// does, and SPLITS; it keeps no attention statistics (programs that do take the row kernel).
+// (head_dim, a multiple of 8), ROPE, ROPE_Q (Q is rotated as it is loaded), ROPE_K and INBATCH
+// as the row kernel does, and SPLITS; it keeps no attention statistics (programs that do take
+// the row kernel).
 //
 // With SPLITS > 1 the key blocks a row block sees are cut into up to SPLITS contiguous ranges,
 // one workgroup each (grid z), so the last row blocks of a long prompt, which see every key,
@@ -22,6 +25,8 @@
 // with a single range writes its output directly.
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> k: array<f32>;
+@group(0) @binding(6) var<storage, read> v: array<f32>;
 @group(0) @binding(9) var<storage, read_write> partials: array<f32>;
 @group(0) @binding(10) var<storage, read_write> split_counters: array<atomic<u32>>;
 // Whether this workgroup is the last of its (row block, head) to finish (SPLITS > 1).
@@ -56,6 +61,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     }
     let qw = pc.q_heads * HD;
     let kvh = h / (pc.q_heads / pc.kv_heads);
+    let kvw = pc.kv_heads * HD;
     let first = step_first_pos();
     let cached = step_first_cached();
     let r = lid / LANES;
@@ -112,16 +118,29 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let kk = e / (HD / 2u);
             let p = e % (HD / 2u);
             let j = k0 + kk;
+            // Where the key's two values go: elements 2p and 2p + 1 from a page, rotary pair p
+            // from the k tensor.
+            var at = vec2<u32>(2u * p, 2u * p + 1u);
             var k2 = vec2<f32>(0.0);
             var v2 = vec2<f32>(0.0);
-            if (j < k_hi) {
+            if (j < k_hi && INBATCH != 0u && j >= cached) {
+                let base = (j - cached) * kvw + kvh * HD;
+                at = rope_pair(p);
+                k2 = vec2<f32>(k[base + at.x], k[base + at.y]);
+                if (ROPE_K != 0u) {
+                    let cs = rope_cs(j - cached + first, p);
+                    k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
+                }
+                k2 = as_stored(k2);
+                v2 = as_stored(vec2<f32>(v[base + 2u * p], v[base + 2u * p + 1u]));
+            } else if (j < k_hi) {
                 let block = step_block(j / pc.block_tokens);
                 let token = j % pc.block_tokens;
                 k2 = kv_pair(kv_page(block, 0u, kvh), token, p);
                 v2 = kv_pair(kv_page(block, 1u, kvh), token, p);
             }
-            ks[kk * QS + 2u * p] = k2.x;
-            ks[kk * QS + 2u * p + 1u] = k2.y;
+            ks[kk * QS + at.x] = k2.x;
+            ks[kk * QS + at.y] = k2.y;
             vs[kk * QS + 2u * p] = v2.x;
             vs[kk * QS + 2u * p + 1u] = v2.y;
         }

@@ -14,3 +14,13 @@ fn kv_pair(page: u32, token: u32, p: u32) -> vec2<f32> {
     }
     return vec2<f32>(kv_mx_elem(page, token, 2u * p), kv_mx_elem(page, token, 2u * p + 1u));
 }
+
+// Two values as a page of the cache's dtype would give them back (f32, f16 or bf16).
+fn as_stored(x: vec2<f32>) -> vec2<f32> {
+    if (KV_DTYPE == 1u) {
+        return unpack2x16float(pack2x16float(x));
+    } else if (KV_DTYPE == 2u) {
+        return vec2<f32>(bitcast<f32>(bf16_bits(x.x) << 16u), bitcast<f32>(bf16_bits(x.y) << 16u));
+    }
+    return x;
+}
