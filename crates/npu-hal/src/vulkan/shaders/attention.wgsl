@@ -197,23 +197,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         // Acquire: every other split's partial, published before its count, is seen here.
         storageBarrier();
-        let first = (row * pc.q_heads + h) * SPLITS * (HD + 2u);
-        var big = -3.0e38;
-        for (var s = 0u; s < SPLITS; s++) {
-            big = max(big, partials[first + s * (HD + 2u) + HD]);
-        }
-        var sum = 0.0;
-        for (var s = 0u; s < SPLITS; s++) {
-            let at = first + s * (HD + 2u);
-            sum += partials[at + HD + 1u] * exp(partials[at + HD] - big);
-        }
+        let parts = (row * pc.q_heads + h) * SPLITS * (HD + 2u);
+        let scale = merge_scale(parts, SPLITS);
         for (var d = lid; d < HD; d += WG) {
-            var o = 0.0;
-            for (var s = 0u; s < SPLITS; s++) {
-                let at = first + s * (HD + 2u);
-                o += partials[at + d] * exp(partials[at + HD] - big);
-            }
-            out[qrow + d] = o / sum;
+            out[qrow + d] = merged_output(parts, SPLITS, scale, d);
         }
     }
     // The stats variant adds each key's probability to the program's attention statistics

@@ -237,23 +237,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     // Acquire: every other range's partials, published before its count, are seen here.
     storageBarrier();
     if (row < n) {
-        var big = -3.0e38;
-        for (var z = 0u; z < used; z++) {
-            big = max(big, partials[parts + z * (HD + 2u) + HD]);
-        }
-        var sum = 0.0;
-        for (var z = 0u; z < used; z++) {
-            let at = parts + z * (HD + 2u);
-            sum += partials[at + HD + 1u] * exp(partials[at + HD] - big);
-        }
+        let scale = merge_scale(parts, used);
         for (var i = 0u; i < DIMS_PER_LANE; i++) {
             let d = c + i * LANES;
-            var o = 0.0;
-            for (var z = 0u; z < used; z++) {
-                let at = parts + z * (HD + 2u);
-                o += partials[at + d] * exp(partials[at + HD] - big);
-            }
-            out[orow + d] = o / sum;
+            out[orow + d] = merged_output(parts, used, scale, d);
         }
     }
 }

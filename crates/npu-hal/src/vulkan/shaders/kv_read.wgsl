@@ -24,3 +24,29 @@ fn as_stored(x: vec2<f32>) -> vec2<f32> {
     }
     return x;
 }
+
+// Merging split attention's partial results (both attention modules, which bind `partials`):
+// `count` partials of HD + 2 values from `parts` on, each a range's unnormalised output, then
+// its maximum and its sum. `merge_scale` gives (the largest maximum, the sums scaled to it and
+// added); `merged_output` element d of the merged, normalised output.
+fn merge_scale(parts: u32, count: u32) -> vec2<f32> {
+    var big = -3.0e38;
+    for (var z = 0u; z < count; z++) {
+        big = max(big, partials[parts + z * (HD + 2u) + HD]);
+    }
+    var sum = 0.0;
+    for (var z = 0u; z < count; z++) {
+        let at = parts + z * (HD + 2u);
+        sum += partials[at + HD + 1u] * exp(partials[at + HD] - big);
+    }
+    return vec2<f32>(big, sum);
+}
+
+fn merged_output(parts: u32, count: u32, scale: vec2<f32>, d: u32) -> f32 {
+    var o = 0.0;
+    for (var z = 0u; z < count; z++) {
+        let at = parts + z * (HD + 2u);
+        o += partials[at + d] * exp(partials[at + HD] - scale.x);
+    }
+    return o / scale.y;
+}
