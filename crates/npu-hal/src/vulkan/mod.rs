@@ -1908,11 +1908,13 @@ impl VulkanNpu {
         else {
             return Ok(None);
         };
-        // The decode attention's (rows, splits) and the tiled attention's, which share them.
+        // The decode attention's (rows, splits) and the split tiled attention's, which share
+        // them.
         let (rows, splits) = (shaders::SPLIT_ROWS as usize, self.attention_splits as usize);
-        let (tiled_rows, tiled_splits) = match self.tiled_attention {
-            true => (p.rows, self.tiled_attention_splits as usize),
-            false => (0, 1),
+        let tiled_splits = self.tiled_attention_splits as usize;
+        let tiled_rows = match self.tiled_attention && tiled_splits > 1 {
+            true => p.rows,
+            false => 0,
         };
         let tiled_blocks = tiled_rows.div_ceil(shaders::TILED_ATTENTION_ROWS as usize);
         let limit = u64::from(self.ctx.max_storage_range);

@@ -49,21 +49,15 @@ fn key_score(j: u32, first: u32, cached: u32, kvh: u32, kvw: u32) -> f32 {
         }
         return s;
     }
-    let block = step_block(j / pc.block_tokens);
-    let token = j % pc.block_tokens;
-    let base = (j - min(j, cached)) * kvw + kvh * HD;
     if (in_batch) {
         for (var i = 0u; i < HD / 2u; i++) {
             let ab = rope_pair(i);
-            var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
-            if (ROPE_K != 0u) {
-                let cs = rope_cs(j - cached + first, i);
-                k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
-            }
-            k2 = as_stored(k2);
+            let k2 = batch_key_pair(j - cached, i, kvh, kvw, j - cached + first);
             s += qs[ab.x] * k2.x + qs[ab.y] * k2.y;
         }
     } else {
+        let block = step_block(j / pc.block_tokens);
+        let token = j % pc.block_tokens;
         let kp = kv_page(block, 0u, kvh);
         for (var p = 0u; p < HD / 2u; p++) {
             let k2 = kv_pair(kp, token, p);
@@ -107,13 +101,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let b = e / (HD / 2u);
             let i = e % (HD / 2u);
             let ab = rope_pair(i);
-            let base = b * kvw + kvh * HD;
-            var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
-            if (ROPE_K != 0u) {
-                let cs = rope_cs(first + b, i);
-                k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
-            }
-            k2 = as_stored(k2);
+            let k2 = batch_key_pair(b, i, kvh, kvw, first + b);
             kb[b * HD + ab.x] = k2.x;
             kb[b * HD + ab.y] = k2.y;
         }

@@ -124,14 +124,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             var k2 = vec2<f32>(0.0);
             var v2 = vec2<f32>(0.0);
             if (j < k_hi && INBATCH != 0u && j >= cached) {
-                let base = (j - cached) * kvw + kvh * HD;
                 at = rope_pair(p);
-                k2 = vec2<f32>(k[base + at.x], k[base + at.y]);
-                if (ROPE_K != 0u) {
-                    let cs = rope_cs(j - cached + first, p);
-                    k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
-                }
-                k2 = as_stored(k2);
+                k2 = batch_key_pair(j - cached, p, kvh, kvw, j - cached + first);
+                let base = (j - cached) * kvw + kvh * HD;
                 v2 = as_stored(vec2<f32>(v[base + 2u * p], v[base + 2u * p + 1u]));
             } else if (j < k_hi) {
                 let block = step_block(j / pc.block_tokens);

@@ -25,6 +25,20 @@ fn as_stored(x: vec2<f32>) -> vec2<f32> {
     return x;
 }
 
+// Rotary pair i of batch row b's key for KV head kvh, from the k tensor (both attention
+// modules, which bind `k`; `kvw` is its width): rotated with ROPE_K at position `pos` and
+// rounded as the KV write stores it. Returns the elements `rope_pair(i)` names.
+fn batch_key_pair(b: u32, i: u32, kvh: u32, kvw: u32, pos: u32) -> vec2<f32> {
+    let ab = rope_pair(i);
+    let base = b * kvw + kvh * HD;
+    var k2 = vec2<f32>(k[base + ab.x], k[base + ab.y]);
+    if (ROPE_K != 0u) {
+        let cs = rope_cs(pos, i);
+        k2 = vec2<f32>(k2.x * cs.x - k2.y * cs.y, k2.x * cs.y + k2.y * cs.x);
+    }
+    return as_stored(k2);
+}
+
 // Merging split attention's partial results (both attention modules, which bind `partials`):
 // `count` partials of HD + 2 values from `parts` on, each a range's unnormalised output, then
 // its maximum and its sum. `merge_scale` gives (the largest maximum, the sums scaled to it and
