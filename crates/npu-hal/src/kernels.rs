@@ -265,6 +265,27 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 /// Index and value of the largest element (the first on ties); `None` for an empty slice or
 /// when every element is NaN.
 pub fn argmax(x: &[f32]) -> Option<(usize, f32)> {
+    // Greedy decoding runs this over the vocabulary once per token, on the token's critical
+    // path: the AVX2 build compares and selects 8 lanes per instruction where the baseline
+    // x86-64 build (SSE2, no blend) takes 4 and three instructions per select.
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above), the only requirement of the
+        // target-feature build; the function itself is safe code.
+        return unsafe { argmax_avx2(x) };
+    }
+    argmax_portable(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn argmax_avx2(x: &[f32]) -> Option<(usize, f32)> {
+    argmax_portable(x)
+}
+
+/// The argmax body, inlined into each target-feature build.
+#[inline(always)]
+fn argmax_portable(x: &[f32]) -> Option<(usize, f32)> {
     // 16 independent lanes, each keeping its largest value and the chunk it came from; the
     // updates are selects with no branch, so the loop vectorises (`f32::max`'s NaN rules do
     // not, and a second pass to find the index cost as much again). A strict `>` keeps the
@@ -597,6 +618,7 @@ mod tests {
                 },
             );
             assert_eq!(argmax(&v), plain, "{v:?}");
+            assert_eq!(argmax_portable(&v), plain, "{v:?}");
         }
         let lse = log_sum_exp(&[0.0, 0.0]);
         assert!((lse - 2f64.ln()).abs() < 1e-12);

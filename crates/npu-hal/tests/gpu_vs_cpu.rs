@@ -909,6 +909,11 @@ fn run_spliced(
 
 const SPLICED: std::ops::Range<usize> = 10..40;
 
+/// Held by every test that splices host rows into a GPU batch while another counts the
+/// process-wide `gpu-splice-upload` ledger: the tests of this binary run in parallel, and a
+/// host splice in one would otherwise land between another's before-and-after readings.
+static SPLICE_LEDGER: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// `rows` embedding rows, `skip` rows into a unified buffer (so the source has an offset),
 /// and the same values on the host.
 fn unified_rows(rows: usize, skip: usize, seed: u64) -> (Arc<UnifiedBuffer>, Vec<f32>) {
@@ -944,6 +949,7 @@ fn unified_embeddings_are_read_in_place() {
     let mut cpu = cpu();
     let storage = Storage::Mx(ElemFormat::Int8);
     let (mc, mg) = (load(&mut cpu, storage, 7), load(&mut gpu, storage, 7));
+    let _ledger = SPLICE_LEDGER.lock().unwrap_or_else(|e| e.into_inner());
     let uploads = uvm_alloc::CopyLedger::global().stage("gpu-splice-upload");
     let skip = 3;
     // 20 buffers: past the 16 imports the GPU keeps, so the oldest are evicted and re-imported.
@@ -999,6 +1005,7 @@ fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
     };
     let storage = Storage::Mx(ElemFormat::Int8);
     let model = load(&mut gpu, storage, 7);
+    let _ledger = SPLICE_LEDGER.lock().unwrap_or_else(|e| e.into_inner());
     let (buffer, values) = unified_rows(SPLICED.len(), 0, 9);
     let want = run_spliced(
         &mut gpu,

@@ -144,6 +144,25 @@ impl Instance {
         if compute_queue_family(&self.instance, pd).is_none() {
             return Some("no compute queue".into());
         }
+        // The GEMV kernels add each row's lanes by subgroup shuffles (linear_gemv.wgsl).
+        let mut subgroups = vk::PhysicalDeviceSubgroupProperties::default();
+        let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroups);
+        // SAFETY: a physical device of this 1.2 instance; the chain is valid.
+        unsafe {
+            self.instance
+                .get_physical_device_properties2(pd, &mut props2)
+        };
+        let shuffles = vk::SubgroupFeatureFlags::BASIC | vk::SubgroupFeatureFlags::SHUFFLE;
+        if !subgroups
+            .supported_stages
+            .contains(vk::ShaderStageFlags::COMPUTE)
+            || !subgroups.supported_operations.contains(shuffles)
+        {
+            return Some(format!(
+                "no subgroup shuffles in compute shaders (stages {:?}, operations {:?})",
+                subgroups.supported_stages, subgroups.supported_operations
+            ));
+        }
         None
     }
 }

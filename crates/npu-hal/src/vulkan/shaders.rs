@@ -444,7 +444,8 @@ pub(crate) fn compile(source: &str) -> Result<Vec<u32>, Error> {
     let info = naga::valid::Validator::new(
         naga::valid::ValidationFlags::all(),
         naga::valid::Capabilities::IMMEDIATES
-            | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+            | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
+            | naga::valid::Capabilities::SUBGROUP,
     )
     .validate(&module)
     .map_err(|e| Error::Shader {

@@ -138,21 +138,27 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         m = m_new;
     }
+    // Only the first `busy` invocations saw a key (a decode step's split range is often a
+    // handful of keys); the others hold m = -3e38, l = 0 and acc = 0, which would add exact
+    // zeros, so the reductions below skip them: the same sums, without up to WG serial
+    // workgroup-memory reads each.
+    let busy = min(WG, hi - lo);
     red_m[lid] = m;
     workgroupBarrier();
     var mx = -3.0e38;
-    for (var t = 0u; t < WG; t++) {
+    for (var t = 0u; t < busy; t++) {
         mx = max(mx, red_m[t]);
     }
-    // An invocation that saw no key has m = -3e38: its weight is exp(-huge) = 0.
     let f = exp(m - mx);
     red_l[lid] = l * f;
-    for (var d = 0u; d < HD; d++) {
-        accs[lid * (HD + 1u) + d] = acc[d] * f;
+    if (lid < busy) {
+        for (var d = 0u; d < HD; d++) {
+            accs[lid * (HD + 1u) + d] = acc[d] * f;
+        }
     }
     workgroupBarrier();
     var total = 0.0;
-    for (var t = 0u; t < WG; t++) {
+    for (var t = 0u; t < busy; t++) {
         total += red_l[t];
     }
     // This split's partial result (SPLITS > 1). An empty range (a short context) leaves
@@ -160,7 +166,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let mine = ((row * pc.q_heads + h) * SPLITS + wg.z) * (HD + 2u);
     for (var d = lid; d < HD; d += WG) {
         var o = 0.0;
-        for (var t = 0u; t < WG; t++) {
+        for (var t = 0u; t < busy; t++) {
             o += accs[t * (HD + 1u) + d];
         }
         if (SPLITS == 1u) {
