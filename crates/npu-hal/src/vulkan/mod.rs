@@ -1,5 +1,6 @@
-//! The GPU backend (feature `vulkan`): the decoder's op programs on any Vulkan 1.2 device, through
-//! ash, with kernels written in WGSL and compiled by naga.
+//! The GPU backend (feature `vulkan`): the decoder's op programs on any Vulkan 1.2 device with
+//! timeline semaphores and subgroup shuffles in compute shaders, through ash, with kernels
+//! written in WGSL and compiled by naga.
 //!
 //! # How a program runs
 //! - **Record once, replay per step.** The first submission of a program builds one descriptor
@@ -99,7 +100,7 @@ pub struct VulkanConfig {
     pub gemv_wide_lanes: Option<u32>,
     /// [`VulkanConfig::gemv_lanes`] for matrices of more than 8192 rows (an output head over
     /// a vocabulary), which fill the GPU with workgroups however few lanes a row takes: fewer
-    /// lanes mean a shorter tree per row and more rows per workgroup, whose results are stored
+    /// lanes mean a shorter reduction per row and more rows per workgroup, whose results are stored
     /// as one run of neighbouring values (across the bus, where the head's output is in host
     /// memory). `None` (the default, unless `NPU_HAL_GEMV_TALL_LANES` is set): 16 on a GPU,
     /// where 8 and 16 were the fastest of 8, 16, 32 and 64 on the H200 (README, "Decoder on
