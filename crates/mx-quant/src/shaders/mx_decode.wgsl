@@ -68,7 +68,7 @@ fn mx_scale_at(i: u32) -> f32 {
 // The words behind elements `first` .. `first + 3` (`first` a multiple of 4, so all four share
 // one block and span at most two words): (the code word holding the first bit, the next one,
 // the scale word, first). The loads alone, so that a kernel can issue them early and decode
-// with `mx_unpack4` when the values are due. It reads one word past the element's: give
+// with `mx_unpack4` when the values are due. For 6-bit codes it reads one word past the element's: give
 // `mx_codes` a spare word at the end (mx_quant::wgsl::code_words).
 fn mx_load4(first: u32) -> vec4<u32> {
     let w = (first * MX_ELEM_BITS) >> 5u;

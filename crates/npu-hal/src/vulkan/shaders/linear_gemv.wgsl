@@ -67,7 +67,9 @@ fn main(
         }
     }
     // Each row's lanes add their sums by subgroup shuffles (a butterfly within aligned groups
-    // of min(LANES, subgroup size) lanes), then across subgroups through workgroup memory.
+    // of min(LANES, subgroup size) lanes), then across subgroups through workgroup memory. A
+    // one-dimensional workgroup's subgroups are runs of consecutive invocations, so a row's
+    // LANES invocations (also consecutive, from a multiple of LANES) fill whole aligned groups.
     let width = min(LANES, sg_size);
     for (var t = 0u; t < NT; t++) {
         var a = acc[t];
