@@ -653,6 +653,25 @@ impl Device for CpuNpu {
         Ok(())
     }
 
+    /// In place: a tensor is host memory.
+    fn view_tensor(
+        &self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        _scratch: &mut Vec<f32>,
+        view: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        let values = rows.len().saturating_mul(t.width);
+        check_rows("view_tensor", t.width, t.max_rows, &rows, values)?;
+        let g = t.buffer.cpu_access(
+            rows.start * t.width * 4..rows.end * t.width * 4,
+            Access::Read,
+        )?;
+        view(g.typed::<f32>()?);
+        Ok(())
+    }
+
     fn write_tensor(
         &mut self,
         tensor: TensorId,

@@ -308,6 +308,33 @@ pub trait Device: Send + std::fmt::Debug {
         rows: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), Error>;
+    /// Shows rows `rows` of `tensor` (`rows.len() * width` values) to `view` once the writes
+    /// submitted before are done: where they lie when the host can read the tensor's memory in
+    /// place (the CPU NPU's tensors, a GPU's readback tensors), else copied into `scratch` by
+    /// [`Device::read_tensor`] first (the default). What a decode loop samples from, so the
+    /// logits are not copied on their way to the sampler.
+    fn view_tensor(
+        &self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        scratch: &mut Vec<f32>,
+        view: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), Error> {
+        let (width, max_rows) = self.tensor_shape(tensor).ok_or(Error::BadOp {
+            op: 0,
+            what: format!(
+                "view_tensor: tensor {} does not exist on this device",
+                tensor.0
+            ),
+        })?;
+        // Checked before the scratch grows, so a bad range allocates nothing.
+        let values = rows.len().saturating_mul(width);
+        check_rows("view_tensor", width, max_rows, &rows, values)?;
+        scratch.resize(rows.len() * width, 0.0);
+        self.read_tensor(tensor, rows, scratch)?;
+        view(scratch);
+        Ok(())
+    }
     /// Writes rows `rows` of `tensor` from `data`.
     fn write_tensor(
         &mut self,

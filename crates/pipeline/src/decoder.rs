@@ -1038,10 +1038,10 @@ impl Decoder {
                 sp.key_from, sp.start
             )));
         }
-        // The logits buffer is kept across calls (a decode step would otherwise allocate
-        // vocab-sized memory per token); taken out so `self` stays borrowable, put back below.
+        // The copy of the logits a device that cannot show them in place reads them into, kept
+        // across calls (a decode step would otherwise allocate vocab-sized memory per token);
+        // taken out so `self` stays borrowable, put back below.
         let mut logits = std::mem::take(&mut self.logits_scratch);
-        logits.resize(self.options.max_logit_rows.max(1) * vocab, 0.0);
         let bt = self.kv.layout().block_tokens;
         let max_batch = match self.pruning {
             Some(p) => self.options.max_batch.max(1).min(p.step(bt)),
@@ -1146,11 +1146,15 @@ impl Decoder {
                     })?;
                     self.tick += 1;
                 }
-                let out = &mut logits[..(end - row) * vocab];
-                self.device.read_tensor(self.logits, 0..end - row, out)?;
-                for (j, l) in out.chunks_exact(vocab).enumerate() {
-                    on_logits(done + row + j, l);
-                }
+                // In place where the device lets the host read them (the scratch is the copy
+                // otherwise).
+                let first = done + row;
+                self.device
+                    .view_tensor(self.logits, 0..end - row, &mut logits, &mut |all| {
+                        for (j, l) in all.chunks_exact(vocab).enumerate() {
+                            on_logits(first + j, l);
+                        }
+                    })?;
                 row = end;
             }
             done = chunk_end;

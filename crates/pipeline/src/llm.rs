@@ -625,9 +625,10 @@ pub struct TokenSplit {
     pub device_us: Option<f64>,
     /// Host time inside `submit` (on the CPU NPU this is the compute itself).
     pub submit_us: f64,
-    /// Host time copying results out once they were ready.
+    /// Host time copying results out once they were ready (none where the device shows the
+    /// logits in place: [`npu_hal::Device::view_tensor`]).
     pub readback_us: f64,
-    /// Choosing the next token from the logits (argmax here).
+    /// Choosing the next token from the logits (argmax here), reading them where they are.
     pub sampling_us: f64,
     /// Times per token the host blocked on the device.
     pub host_waits: f64,
@@ -733,7 +734,6 @@ pub fn bench(
     }
     if n_gen > 0 {
         let mut samples = Vec::new();
-        let mut logits = Vec::new();
         let (mut wall, mut sampling) = (Duration::ZERO, Duration::ZERO);
         let mut counted = Counted::default();
         for rep in 0..=reps {
@@ -743,10 +743,12 @@ pub fn bench(
             let mut picking = Duration::ZERO;
             let t = Instant::now();
             for _ in 0..n_gen {
-                decoder.forward_last_into(&[next], &mut logits)?;
-                let s = Instant::now();
-                next = npu_hal::kernels::argmax(&logits).map_or(0, |(i, _)| i as u32);
-                picking += s.elapsed();
+                // Greedy, from the logits where the device left them.
+                decoder.forward(&[next], 0..1, |_, logits| {
+                    let s = Instant::now();
+                    next = npu_hal::kernels::argmax(logits).map_or(0, |(i, _)| i as u32);
+                    picking += s.elapsed();
+                })?;
             }
             if rep > 0 {
                 wall += t.elapsed();

@@ -478,6 +478,19 @@ impl GpuBuffer {
         Ok(())
     }
 
+    /// The `len` bytes at `offset` of a mapped buffer, in place. The GPU's writes to them must
+    /// have completed, and no submission may write them while the borrow lives.
+    pub(crate) fn bytes(&self, offset: usize, len: usize) -> Result<&[u8], Error> {
+        let map = self.check(offset, len)?;
+        // SAFETY: `check` proved `offset` lies inside the mapping.
+        let src = unsafe { map.as_ptr().add(offset) };
+        // SAFETY: `check` proved the range lies inside the mapping, which stays valid while the
+        // buffer (and so the borrow) lives; host writes need `&mut self`, so none happens while
+        // the slice is borrowed; the caller waited for the GPU's writes and submits none that
+        // write the range while the slice lives (coherent memory needs no invalidation).
+        Ok(unsafe { std::slice::from_raw_parts(src, len) })
+    }
+
     fn check(&self, offset: usize, len: usize) -> Result<NonNull<u8>, Error> {
         let map = self.map.ok_or(Error::Unsupported {
             what: "host access to a device-only buffer",

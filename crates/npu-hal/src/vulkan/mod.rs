@@ -29,10 +29,11 @@
 //!   queue, with no host wake; any other timeline is waited on (or signalled) from the host,
 //!   and counted in [`DeviceStats::host_waits`]. [`Device::timeline`] hands out a timeline of
 //!   this device, so a decoder's chained submissions never wake the CPU between them.
-//! - **Logits come back** through [`Device::read_tensor`] from a
-//!   [`Device::create_readback_tensor`]: in host memory the GPU writes (counted by uvm-alloc's
-//!   copy ledger, stage `gpu-readback`: the one per-token transfer), or in place on unified
-//!   memory. Other tensors are copied out through a staging buffer.
+//! - **Logits come back** in a [`Device::create_readback_tensor`]: in host memory the GPU
+//!   writes (counted by uvm-alloc's copy ledger, stage `gpu-readback`: the one per-token
+//!   transfer), or device memory on unified memory. [`Device::view_tensor`] shows them to the
+//!   sampler where they are, with no copy on the host; [`Device::read_tensor`] copies them out.
+//!   Other tensors are copied out through a staging buffer.
 //!
 //! A device that lacks something a program needs is refused with [`Error::Unsupported`]; nothing
 //! falls back to the CPU.
@@ -106,6 +107,12 @@ pub struct VulkanConfig {
     /// where 8 and 16 were the fastest of 8, 16, 32 and 64 on the H200 (README, "Decoder on
     /// the GPU"); as `gemv_lanes` on a CPU implementation.
     pub gemv_tall_lanes: Option<u32>,
+    /// Neighbouring rows each lane group of a tall matrix's one-token GEMV takes: 1, 2, 4 or 8.
+    /// A lane then reads its share of x once for that many rows, and has that many rows' weight
+    /// loads in flight. `None` (the default, unless `NPU_HAL_GEMV_TALL_ROWS` is set): 4 on a
+    /// GPU, where the head's dispatch took 27.5 us at 4 rows, 28.7 at 2 and 33.7 at 1 on the
+    /// H200 (README, "Decoder on the GPU"); 1 on a CPU implementation.
+    pub gemv_tall_rows: Option<u32>,
     /// Workgroups a prefill GEMM aims for. A layer with fewer 64 x 64 tiles than this cuts its
     /// columns into up to 8 ranges of at least 256 (split-K), one workgroup each per tile, and
     /// a second pass adds the ranges' sums in order (`shaders/split_reduce.wgsl`): at
@@ -182,6 +189,7 @@ impl Default for VulkanConfig {
             gemv_lanes: env_parse("NPU_HAL_GEMV_LANES"),
             gemv_wide_lanes: env_parse("NPU_HAL_GEMV_WIDE_LANES"),
             gemv_tall_lanes: env_parse("NPU_HAL_GEMV_TALL_LANES"),
+            gemv_tall_rows: env_parse("NPU_HAL_GEMV_TALL_ROWS"),
             gemm_split_groups: env_parse("NPU_HAL_GEMM_SPLIT_GROUPS"),
             tiled_attention: match std::env::var("NPU_HAL_TILED_ATTENTION").as_deref() {
                 Ok("0") => Some(false),
@@ -319,6 +327,8 @@ enum Grid {
         accumulate: bool,
         /// Invocations per row of the GEMV variants.
         lanes: u32,
+        /// Rows per lane group of the one-token GEMV (the others take one).
+        group_rows: u32,
     },
     /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
     LinearRows { selected: bool },
@@ -341,6 +351,8 @@ const CPU_GEMV_LANES: u32 = 32;
 /// a GPU (on a CPU implementation: as `gemv_lanes`).
 const GPU_GEMV_WIDE_LANES: u32 = 256;
 const GPU_GEMV_TALL_LANES: u32 = 16;
+/// [`VulkanConfig::gemv_tall_rows`]'s default on a GPU.
+const GPU_GEMV_TALL_ROWS: u32 = 4;
 
 /// Rows wider than this take [`VulkanConfig::gemv_wide_lanes`].
 const WIDE_GEMV_COLS: u32 = 1024;
@@ -560,6 +572,8 @@ pub struct VulkanNpu {
     gemv_lanes: u32,
     gemv_wide_lanes: u32,
     gemv_tall_lanes: u32,
+    /// [`VulkanConfig::gemv_tall_rows`].
+    gemv_tall_rows: u32,
     /// [`VulkanConfig::gemm_split_groups`].
     gemm_split_groups: u32,
     /// Split-K partial sums, by (rows, max rows, slot): shared by the linear layers of that
@@ -622,6 +636,18 @@ impl VulkanNpu {
                     ),
                 });
             }
+        }
+        if let Some(rows) = config
+            .gemv_tall_rows
+            .filter(|r| !shaders::GEMV_ROWS.contains(r))
+        {
+            return Err(Error::Unsupported {
+                what: "this number of GEMV rows per lane group",
+                why: format!(
+                    "{rows} rows (NPU_HAL_GEMV_TALL_ROWS?); the kernel takes one of {:?}",
+                    shaders::GEMV_ROWS
+                ),
+            });
         }
         let instance = Instance::new()?;
         let mut adapters = instance.adapters()?;
@@ -758,6 +784,11 @@ impl VulkanNpu {
                 gemv_lanes
             } else {
                 GPU_GEMV_TALL_LANES
+            }),
+            gemv_tall_rows: config.gemv_tall_rows.unwrap_or(if ctx.adapter.is_cpu() {
+                1
+            } else {
+                GPU_GEMV_TALL_ROWS
             }),
             kernel_times: Mutex::new(HashMap::new()),
             counters: Counters::default(),
@@ -1496,6 +1527,11 @@ impl VulkanNpu {
                     self.gemv_tall_lanes
                 } else {
                     self.gemv_lanes
+                },
+                group_rows: if cols <= WIDE_GEMV_COLS && r > TALL_GEMV_ROWS {
+                    self.gemv_tall_rows
+                } else {
+                    1
                 },
             },
             push,
@@ -2516,19 +2552,22 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             input,
             accumulate,
             lanes,
+            group_rows,
         } => {
             let m = if sel { selected as u32 } else { n };
-            let gemv = |tokens| Kernel::Gemv {
+            let gemv = |tokens, rows| Kernel::Gemv {
                 format,
                 tokens,
                 lanes,
+                rows,
                 input,
                 accumulate,
             };
-            let groups = rows.div_ceil(256 / lanes);
+            // A workgroup's 256 / lanes lane groups take `rows` rows each.
+            let groups = |per_group: u32| rows.div_ceil(256 / lanes * per_group);
             match m {
-                0 | 1 => (gemv(1), [groups, 1, 1]),
-                2..=SHORT_BATCH => (gemv(8), [groups, 1, 1]),
+                0 | 1 => (gemv(1, group_rows), [groups(group_rows), 1, 1]),
+                2..=SHORT_BATCH => (gemv(8, 1), [groups(1), 1, 1]),
                 _ => (
                     Kernel::Gemm {
                         format,
@@ -2995,6 +3034,42 @@ impl Device for VulkanNpu {
         add_ns(&self.counters.readback_ns, started);
         result
     }
+    /// In place when the tensor is mapped (a readback tensor, or any tensor on unified memory):
+    /// the host reads the values where the GPU wrote them.
+    fn view_tensor(
+        &self,
+        tensor: TensorId,
+        rows: Range<usize>,
+        scratch: &mut Vec<f32>,
+        view: &mut dyn FnMut(&[f32]),
+    ) -> Result<(), Error> {
+        let t = self.tensor(tensor, 0)?;
+        let values = rows.len().saturating_mul(t.width);
+        check_rows("view_tensor", t.width, t.max_rows, &rows, values)?;
+        if !t.buffer.is_mapped() {
+            scratch.resize(values, 0.0);
+            self.read_tensor(tensor, rows, scratch)?;
+            view(scratch);
+            return Ok(());
+        }
+        self.wait_all()?;
+        self.collect_times()?;
+        // Sound to borrow: every submission that writes a tensor goes through `&mut self`, so
+        // none starts while `&self` is borrowed here, and the ones before have completed.
+        let bytes = t.buffer.bytes(rows.start * t.width * 4, values * 4)?;
+        // In host memory on a device with its own: the GPU's writes over the bus were the
+        // transfer, the one the ledger counts per token.
+        if !self.ctx.unified {
+            self.readback_ledger.record(bytes.len());
+        }
+        let values: &[f32] = bytemuck::try_cast_slice(bytes).map_err(|e| Error::Unsupported {
+            what: "reading a mapped tensor in place",
+            why: format!("the mapping is not f32-aligned ({e})"),
+        })?;
+        view(values);
+        Ok(())
+    }
+
     fn write_tensor(
         &mut self,
         tensor: TensorId,
@@ -3232,7 +3307,13 @@ impl VulkanNpu {
         let mut waits: Vec<(&VulkanTimeline, u64)> = Vec::new();
         if let Some((t, v)) = wait {
             match (same_device(t, device), foreign) {
-                (Some(vt), _) => waits.push((vt, v)),
+                // A value this device's timeline has reached already is no wait at all: left
+                // out of the submission, so the driver has one semaphore fewer to process.
+                (Some(vt), _) => {
+                    if vt.value()? < v {
+                        waits.push((vt, v));
+                    }
+                }
                 (None, Some(i)) => {
                     waits.push((&self.foreign_timelines[i].1, v));
                     self.counters.queue_waits.fetch_add(1, Ordering::Relaxed);

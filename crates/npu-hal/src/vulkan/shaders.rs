@@ -18,6 +18,8 @@ use crate::Error;
 const COMMON: &str = include_str!("shaders/common.wgsl");
 /// Invocations per output row the GEMV kernel can take ([`crate::VulkanConfig::gemv_lanes`]).
 pub(crate) const GEMV_LANES: [u32; 6] = [8, 16, 32, 64, 128, 256];
+/// The rows per lane group a one-token GEMV takes ([`Kernel::Gemv`]'s `rows`).
+pub(crate) const GEMV_ROWS: [u32; 4] = [1, 2, 4, 8];
 const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
 const LINEAR_IO: &str = include_str!("shaders/linear_io.wgsl");
@@ -121,12 +123,14 @@ impl KvFormat {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Kernel {
     RmsNorm,
-    /// A GEMV over up to `tokens` tokens per workgroup row, `lanes` invocations per output
-    /// row (256 / `lanes` rows per workgroup).
+    /// A GEMV over up to `tokens` tokens per workgroup row: `lanes` invocations per lane
+    /// group, each group taking `rows` neighbouring output rows (256 / `lanes` * `rows` rows per
+    /// workgroup; `rows` is 1 unless `tokens` is).
     Gemv {
         format: WeightFormat,
         tokens: u32,
         lanes: u32,
+        rows: u32,
         input: LinearInput,
         accumulate: bool,
     },
@@ -247,11 +251,12 @@ impl Kernel {
                 format,
                 tokens,
                 lanes,
+                rows,
                 input,
                 accumulate,
             } => {
                 s.push_str(&format!(
-                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\n"
+                    "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\nconst RPL: u32 = {rows}u;\n"
                 ));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
@@ -600,10 +605,12 @@ mod tests {
                 kernels.push(Kernel::Rotate { input });
                 for accumulate in [false, true] {
                     for lanes in GEMV_LANES {
-                        kernels.extend([1, 8].map(|tokens| Kernel::Gemv {
+                        let shapes = GEMV_ROWS.map(|rows| (1, rows)).into_iter().chain([(8, 1)]);
+                        kernels.extend(shapes.map(|(tokens, rows)| Kernel::Gemv {
                             format,
                             tokens,
                             lanes,
+                            rows,
                             input,
                             accumulate,
                         }));

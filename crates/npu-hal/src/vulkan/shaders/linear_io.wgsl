@@ -20,11 +20,27 @@ var<immediate> pc: Params;
 // that row's 1 / rms when IN_MODE is 1.
 fn load_x(t: u32, k4: u32, inv: f32) -> vec4<f32> {
     let i = t * (pc.cols / 4u) + k4;
-    let v = x[i];
+    return stage_x(x[i], load_aux(t, k4), inv);
+}
+
+// The input stage's second operand for elements 4 k4 .. 4 k4 + 3 of row `t` (the gain, or
+// `up`); unused (zero) when IN_MODE is 0. Loaded apart from `stage_x` so a kernel can issue
+// the loads ahead of their use.
+fn load_aux(t: u32, k4: u32) -> vec4<f32> {
     if (IN_MODE == 1u) {
-        return v * inv * aux[k4];
+        return aux[k4];
     } else if (IN_MODE == 2u) {
-        return v / (1.0 + exp(-v)) * aux[i];
+        return aux[t * (pc.cols / 4u) + k4];
+    }
+    return vec4<f32>(0.0);
+}
+
+// The input stage applied to loaded values `v` of x and `a` of `load_aux`.
+fn stage_x(v: vec4<f32>, a: vec4<f32>, inv: f32) -> vec4<f32> {
+    if (IN_MODE == 1u) {
+        return v * inv * a;
+    } else if (IN_MODE == 2u) {
+        return v / (1.0 + exp(-v)) * a;
     }
     return v;
 }
