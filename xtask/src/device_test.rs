@@ -289,6 +289,12 @@ const TESTS: &[HardwareTest] = &[
         "every_host_wait_reads_the_same_logits",
         &[Need::Vulkan],
     ),
+    host_gpu(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "a_held_step_runs_on_release_as_a_plain_one",
+        &[Need::Vulkan],
+    ),
     hw(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
@@ -329,6 +335,12 @@ const TESTS: &[HardwareTest] = &[
         "pipeline",
         Target::Test("gpu_decoder"),
         "gpu_decoder_prunes_under_every_policy_as_the_cpu_does",
+        &[Need::Vulkan],
+    ),
+    host_gpu(
+        "pipeline",
+        Target::Test("gpu_decoder"),
+        "queued_decode_steps_show_the_plain_loops_logits",
         &[Need::Vulkan],
     ),
 ];

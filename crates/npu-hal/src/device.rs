@@ -254,6 +254,12 @@ pub struct Submission<'a> {
     pub live: Option<&'a [TensorId]>,
 }
 
+/// A submission [`Device::submit_held`] queued, which runs once [`Device::release`] (or
+/// [`Device::discard`]) lets it.
+#[derive(Debug)]
+#[must_use = "a held submission stops its device's queue until it is released or discarded"]
+pub struct Held(pub(crate) u64);
+
 /// What kind of engine a device is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
@@ -334,6 +340,45 @@ pub trait Device: Send + std::fmt::Debug {
         self.read_tensor(tensor, rows, scratch)?;
         view(scratch);
         Ok(())
+    }
+    /// Whether [`Device::submit_held`] works here: a queue that waits, without the host, for
+    /// a value the host signals later. The default is `false`.
+    fn holds(&self) -> bool {
+        false
+    }
+    /// Queues `submission` before its batch is known, so a decode loop submits step k + 1
+    /// while step k runs and, once its token is sampled, pays only [`Device::release`]. The
+    /// batch given here fixes the shape (its token count and selected rows; no spliced
+    /// embeddings, no attention statistics, a signal on this device's own timeline); its token
+    /// ids and slots are placeholders that `release` replaces. Until the held submission is
+    /// released or discarded the device takes no other work, and its waits cover the
+    /// submissions before the held one only. The default refuses ([`Error::Unsupported`]).
+    fn submit_held(&mut self, submission: Submission<'_>) -> Result<Held, Error> {
+        let _ = submission;
+        Err(Error::Unsupported {
+            what: "held submissions",
+            why: format!("{} runs each submission as it is made", self.info().name),
+        })
+    }
+    /// Gives the held submission its batch (the shape it was queued with; `kv` holds the
+    /// batch's slots already) and lets it run. Where the batch is refused the submission still
+    /// runs, as [`Device::discard`] runs it, so the queue never stays stopped.
+    fn release(&mut self, held: Held, batch: Batch<'_>, kv: Option<&KvCache>) -> Result<(), Error> {
+        let _ = (held, batch, kv);
+        Err(Error::Unsupported {
+            what: "held submissions",
+            why: format!("{} has none", self.info().name),
+        })
+    }
+    /// Lets the held submission run over the batch its program ran last, for a caller that has
+    /// no next batch (the reply ended): it repeats that run, which writes the same values where
+    /// that run wrote them (the same token at the same position and slot).
+    fn discard(&mut self, held: Held) -> Result<(), Error> {
+        let _ = held;
+        Err(Error::Unsupported {
+            what: "held submissions",
+            why: format!("{} has none", self.info().name),
+        })
     }
     /// Writes rows `rows` of `tensor` from `data`.
     fn write_tensor(

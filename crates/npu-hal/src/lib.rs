@@ -52,7 +52,7 @@ mod vulkan;
 
 pub use cpu::{CpuBackend, CpuConfig, CpuNpu};
 pub use device::{
-    Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, EmbeddingData, Embeddings,
+    Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, EmbeddingData, Embeddings, Held,
     KernelTime, Op, Probe, Rows, Submission, TensorId, Weight, WeightId,
 };
 pub use kernels::{ActivationRounding, DenseMatrix, GgmlBuild, Numerics, RopeStyle};

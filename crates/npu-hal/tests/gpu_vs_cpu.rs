@@ -1175,3 +1175,124 @@ fn attention_statistics_match_the_cpu() {
         gpu.adapter()
     );
 }
+
+/// Held submissions (`Device::submit_held`): a held decode step runs once released and computes
+/// what the same step submitted plainly computes, bit for bit; while it is held the device
+/// refuses other work by name; a release of another shape is refused, yet the step still runs
+/// (as a discard), so the device takes work again. With timestamps on, a CPU implementation
+/// (lavapipe) holds nothing and says why.
+#[test]
+fn a_held_step_runs_on_release_as_a_plain_one() {
+    let Some(timed) = gpu() else {
+        return;
+    };
+    let Some(mut gpu) = gpu_with(VulkanConfig {
+        timestamps: false,
+        ..VulkanConfig::default()
+    }) else {
+        return;
+    };
+    let storage = Storage::Mx(ElemFormat::Int8);
+    let model = load(&mut gpu, storage, 21);
+    let Some(&Op::Linear { x: head_input, .. }) = model.head.first() else {
+        panic!("the head is a linear layer");
+    };
+    let prompt = chunks()[0].clone();
+    let mut plain = kv_cache(PageDtype::F16);
+    let want = run(
+        &mut gpu,
+        &model,
+        &mut plain,
+        &[prompt.clone(), vec![7]],
+        None,
+    );
+    let want = &want[want.len() - VOCAB..];
+    let mut kv = kv_cache(PageDtype::F16);
+    run(
+        &mut gpu,
+        &model,
+        &mut kv,
+        std::slice::from_ref(&prompt),
+        None,
+    );
+    let pos = prompt.len();
+    let step = |tokens: &'static [u32], slots| Batch {
+        tokens,
+        first_pos: pos,
+        seq: 0,
+        slots,
+        select: 0..0,
+        embeddings: None,
+    };
+    let (live_body, live_head) = ([head_input], [model.logits]);
+    let placeholder = [kv_paged::Slot {
+        block: 0,
+        offset: 0,
+    }];
+    let hold = |gpu: &mut VulkanNpu, kv: &mut KvCache| {
+        gpu.submit_held(Submission {
+            ops: &model.body,
+            batch: step(&[0], &placeholder),
+            kv: Some(kv),
+            attention: None,
+            wait: None,
+            signal: None,
+            live: Some(&live_body),
+        })
+        .expect("held")
+    };
+    let held = hold(&mut gpu, &mut kv);
+    let head = |tokens: &'static [u32]| Submission {
+        ops: &model.head,
+        batch: Batch {
+            select: 0..1,
+            ..step(tokens, &[])
+        },
+        kv: None,
+        attention: None,
+        wait: None,
+        signal: None,
+        live: Some(&live_head),
+    };
+    let err = gpu.submit(head(&[7])).unwrap_err().to_string();
+    assert!(err.contains("held submission"), "{err}");
+    let appended = kv.append(0, &[7]).expect("append");
+    gpu.release(held, step(&[7], &appended.slots), Some(&kv))
+        .expect("release");
+    gpu.submit(head(&[7])).expect("head");
+    let mut got = vec![0f32; VOCAB];
+    gpu.read_tensor(model.logits, 0..1, &mut got).expect("read");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&got),
+        bits(want),
+        "a released step against a plain one"
+    );
+    // A release of two tokens for a one-token hold: refused, and the step runs anyway.
+    let held = hold(&mut gpu, &mut kv);
+    let err = gpu
+        .release(held, step(&[7, 8], &appended.slots), Some(&kv))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("held with 1 tokens"), "{err}");
+    gpu.submit(head(&[7]))
+        .expect("the device takes work after a refused release");
+    // With timestamps, a CPU implementation refuses to hold, by name.
+    let mut timed = timed;
+    if !timed.holds() {
+        let model = load(&mut timed, storage, 21);
+        let err = timed
+            .submit_held(Submission {
+                ops: &model.head,
+                batch: step(&[7], &[]),
+                kv: None,
+                attention: None,
+                wait: None,
+                signal: None,
+                live: None,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("timestamps"), "{err}");
+    }
+}

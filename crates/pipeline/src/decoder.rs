@@ -341,7 +341,8 @@ pub struct Decoder {
     /// CPU timeline: each submission waits for the previous one's value and signals the next.
     timeline: Arc<dyn Timeline>,
     tick: u64,
-    /// Host copy of the head's logits, reused across calls (an error path may drop it; the
+    /// Host copy of the head's logits where the device cannot show them in place
+    /// ([`npu_hal::Device::view_tensor`]), reused across calls (an error path may drop it; the
     /// next call reallocates).
     logits_scratch: Vec<f32>,
     /// The name of every matrix, by its id on the device.
@@ -1282,6 +1283,163 @@ impl Decoder {
         let mut out = Vec::new();
         self.forward_last_into(tokens, &mut out)?;
         Ok(out)
+    }
+
+    /// Decodes up to `steps` tokens from `first`, one at a time: `pick` sees each step's
+    /// logits (in place where the device allows) and returns the token to feed next, or `None`
+    /// to stop. Returns the steps run (logits shown to `pick`).
+    ///
+    /// Where the device holds submissions ([`npu_hal::Device::submit_held`]; the GPU), each
+    /// step is queued before the previous step's logits are read, and released with its token
+    /// once `pick` returns it: the submission's host cost overlaps the device's run, and the
+    /// device idles only for the pick. Elsewhere, and with KV pruning or a context too full to
+    /// queue ahead, it is the plain loop over [`Decoder::forward`]. The tokens are the same
+    /// either way: a step that `pick` ends is discarded, repeating the step before's writes.
+    pub fn decode_ahead(
+        &mut self,
+        first: u32,
+        steps: usize,
+        mut pick: impl FnMut(&[f32]) -> Option<u32>,
+    ) -> Result<usize, DecodeError> {
+        if steps == 0 {
+            return Ok(0);
+        }
+        // The first step the plain way (it may start a fresh sequence from the prefix cache).
+        let mut next = None;
+        self.forward(&[first], 0..1, |_, l| next = pick(l))?;
+        let ahead = self.device.holds() && self.pruning.is_none();
+        let mut done = 1;
+        while done < steps {
+            let Some(token) = next else {
+                return Ok(done);
+            };
+            if !ahead {
+                self.forward(&[token], 0..1, |_, l| next = pick(l))?;
+                done += 1;
+                continue;
+            }
+            let result = self.run_ahead(token, steps - done, &mut pick);
+            if let Err(DecodeError::Device(_) | DecodeError::Kv(_)) = &result {
+                // Best effort: the original error is the one worth reporting.
+                let _ = self.forget();
+            }
+            return result.map(|n| done + n);
+        }
+        Ok(done)
+    }
+
+    /// [`Decoder::decode_ahead`]'s queued loop from `token` (the next to feed): up to `steps`
+    /// steps.
+    fn run_ahead(
+        &mut self,
+        token: u32,
+        steps: usize,
+        pick: &mut impl FnMut(&[f32]) -> Option<u32>,
+    ) -> Result<usize, DecodeError> {
+        let vocab = self.config.vocab_size;
+        // The first queued step is released at once; each after it is queued before the
+        // logits of the one before are read.
+        let held = self.hold_step()?;
+        self.release_step(held, token)?;
+        let mut logits = std::mem::take(&mut self.logits_scratch);
+        let mut done = 0;
+        let result = loop {
+            let queued = if done + 1 < steps && self.len < self.options.ctx {
+                match self.hold_step() {
+                    Ok(h) => Some(h),
+                    Err(e) => break Err(e),
+                }
+            } else {
+                None
+            };
+            let mut next = None;
+            let viewed = self
+                .device
+                .view_tensor(self.logits, 0..1, &mut logits, &mut |l| next = pick(l));
+            done += 1;
+            let Some(held) = queued else {
+                break match (viewed, next) {
+                    (Err(e), _) => Err(e.into()),
+                    (Ok(()), Some(_)) if done < steps => Err(DecodeError::ContextFull {
+                        wanted: self.len + 1,
+                        ctx: self.options.ctx,
+                    }),
+                    (Ok(()), _) => Ok(done),
+                };
+            };
+            match (viewed, next) {
+                (Ok(()), Some(t)) if (t as usize) < vocab => {
+                    if let Err(e) = self.release_step(held, t) {
+                        break Err(e);
+                    }
+                }
+                (viewed, next) => {
+                    // No token to give it: it runs as the step before, then the loop ends.
+                    let discarded = self.device.discard(held).map_err(DecodeError::from);
+                    break match (viewed, next) {
+                        (Err(e), _) => Err(e.into()),
+                        (Ok(()), Some(id)) => Err(DecodeError::BadToken { id, vocab }),
+                        (Ok(()), None) => discarded.map(|()| done),
+                    };
+                }
+            }
+        };
+        self.logits_scratch = logits;
+        result
+    }
+
+    /// Queues the next one-token step, its token and slot not known yet.
+    fn hold_step(&mut self) -> Result<npu_hal::Held, DecodeError> {
+        let timeline: &dyn Timeline = &*self.timeline;
+        // Placeholders of the right shape: the release writes the real ones.
+        let slots = [kv_paged::Slot {
+            block: 0,
+            offset: 0,
+        }];
+        let held = self.device.submit_held(Submission {
+            ops: &self.body_and_head,
+            batch: Batch {
+                tokens: &[0],
+                first_pos: self.len,
+                seq: self.seq,
+                slots: &slots,
+                select: 0..1,
+                embeddings: None,
+            },
+            kv: Some(&mut self.kv),
+            attention: None,
+            wait: Some((timeline, self.tick)),
+            signal: Some((timeline, self.tick + 1)),
+            live: Some(std::slice::from_ref(&self.logits)),
+        })?;
+        self.tick += 1;
+        Ok(held)
+    }
+
+    /// Appends `token` and releases the held step with it (discarding it where the cache is
+    /// out of blocks, so the queue moves).
+    fn release_step(&mut self, held: npu_hal::Held, token: u32) -> Result<(), DecodeError> {
+        let appended = match self.kv.append(self.seq, &[token]) {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = self.device.discard(held);
+                return Err(e.into());
+            }
+        };
+        self.device.release(
+            held,
+            Batch {
+                tokens: &[token],
+                first_pos: self.len,
+                seq: self.seq,
+                slots: &appended.slots,
+                select: 0..1,
+                embeddings: None,
+            },
+            Some(&self.kv),
+        )?;
+        self.len += 1;
+        Ok(())
     }
 
     /// [`Decoder::forward_last`] into `out`, reusing its allocation: what a decode loop calls

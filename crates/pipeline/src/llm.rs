@@ -742,14 +742,14 @@ pub fn bench(
             let before = decoder.device().stats();
             let mut picking = Duration::ZERO;
             let t = Instant::now();
-            for _ in 0..n_gen {
-                // Greedy, from the logits where the device left them.
-                decoder.forward(&[next], 0..1, |_, logits| {
-                    let s = Instant::now();
-                    next = npu_hal::kernels::argmax(logits).map_or(0, |(i, _)| i as u32);
-                    picking += s.elapsed();
-                })?;
-            }
+            // Greedy, from the logits where the device left them, each step queued while the
+            // one before runs where the device allows it.
+            decoder.decode_ahead(next, n_gen, |logits| {
+                let s = Instant::now();
+                next = npu_hal::kernels::argmax(logits).map_or(0, |(i, _)| i as u32);
+                picking += s.elapsed();
+                Some(next)
+            })?;
             if rep > 0 {
                 wall += t.elapsed();
                 sampling += picking;

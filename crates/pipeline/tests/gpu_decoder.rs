@@ -161,6 +161,82 @@ fn gpu_decoder_greedy_ids_agree_with_the_cpu() {
     }
 }
 
+/// `Decoder::decode_ahead` queues each step before the previous step's logits are read (held
+/// submissions; lavapipe holds them with timestamps off): the logits it shows are the plain
+/// loop's, bit for bit, and a reply that ends early (the queued step discarded) leaves the
+/// cache as the plain loop would, so the next step's logits are the plain loop's too. On the
+/// CPU NPU, which holds nothing, it is the plain loop.
+#[test]
+fn queued_decode_steps_show_the_plain_loops_logits() {
+    use npu_hal::{Backend, VulkanBackend, VulkanConfig};
+    let Some(_) = gpu() else {
+        return;
+    };
+    let config = VulkanConfig {
+        timestamps: false,
+        ..VulkanConfig::default()
+    };
+    let device = VulkanBackend { config }
+        .open()
+        .expect("the GPU opened above");
+    let path = fixture("tiny.gguf");
+    let opts = || options("default", PageDtype::F16);
+    let mut gpu = pipeline::llm::open_decoder_on(&path, opts(), device)
+        .unwrap()
+        .0;
+    let mut cpu = pipeline::llm::open_decoder(&path, opts(), 2).unwrap().0;
+    assert!(gpu.device().holds(), "the GPU holds submissions here");
+    let greedy = |l: &[f32]| npu_hal::kernels::argmax(l).map_or(0, |(i, _)| i as u32);
+    const STEPS: usize = 20;
+    for (name, d) in [("gpu", &mut gpu), ("cpu", &mut cpu)] {
+        d.reset().unwrap();
+        let first = greedy(&d.forward_last(&IDS[..5]).unwrap());
+        // The plain loop: a forward per token.
+        let mut plain = Vec::new();
+        let mut next = first;
+        for _ in 0..STEPS {
+            let l = d.forward_last(&[next]).unwrap();
+            next = greedy(&l);
+            plain.push(l);
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // Queued, every step.
+        d.reset().unwrap();
+        d.forward_last(&IDS[..5]).unwrap();
+        let mut shown = Vec::new();
+        let steps = d
+            .decode_ahead(first, STEPS, |l| {
+                shown.push(l.to_vec());
+                Some(greedy(l))
+            })
+            .unwrap();
+        assert_eq!(steps, STEPS, "{name}");
+        for (i, (a, b)) in shown.iter().zip(&plain).enumerate() {
+            assert_eq!(bits(a), bits(b), "{name}: step {i}'s logits");
+        }
+        // Queued, ended after 5 picks: the queued sixth step is discarded.
+        d.reset().unwrap();
+        d.forward_last(&IDS[..5]).unwrap();
+        let mut picks = 0;
+        let mut fed = Vec::new();
+        let steps = d
+            .decode_ahead(first, STEPS, |l| {
+                picks += 1;
+                let t = greedy(l);
+                fed.push(t);
+                (picks < 5).then_some(t)
+            })
+            .unwrap();
+        assert_eq!(steps, 5, "{name}");
+        let after = d.forward_last(&[fed[4]]).unwrap();
+        assert_eq!(
+            bits(&after),
+            bits(&plain[5]),
+            "{name}: the step after an early end"
+        );
+    }
+}
+
 #[test]
 fn gpu_decoder_refuses_a_bad_token_by_name_and_recovers() {
     let Some((_, mut gpu)) = pair("tiny.gguf", "default", PageDtype::F16) else {

@@ -58,7 +58,7 @@ use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
     TensorId, Weight, WeightId, check_op, check_rows,
 };
-use crate::{EmbeddingData, Error};
+use crate::{EmbeddingData, Error, Held};
 use uvm_alloc::UnifiedBuffer;
 
 /// Which Vulkan adapter [`VulkanBackend`] opens.
@@ -87,6 +87,11 @@ pub struct VulkanConfig {
     /// Time every dispatch (a timestamp after each, which serialises them): what
     /// [`Device::profile`] reports. Default: on when `NPU_HAL_PROFILE` is set.
     pub profile: bool,
+    /// Time each submission on the GPU ([`DeviceStats::device_time`]) where the queue has
+    /// timestamps. Default: on, unless `NPU_HAL_TIMESTAMPS=0`. On a CPU implementation
+    /// (lavapipe) reading them waits for the device to go idle, which a held submission keeps
+    /// it from, so there [`Device::submit_held`] needs them off.
+    pub timestamps: bool,
     /// Invocations per output row in the decode GEMV: 8, 16, 32, 64, 128 or 256 (a workgroup
     /// holds 256 / `gemv_lanes` rows). More lanes per row leave each invocation fewer dependent
     /// loads, which is what a decode step at SmolLM2's widths waits on. `None` (the default,
@@ -186,6 +191,7 @@ impl Default for VulkanConfig {
             adapter: AdapterChoice::Best,
             wait_timeout: env_parse("NPU_HAL_WAIT_TIMEOUT_S").map(Duration::from_secs),
             profile: std::env::var_os("NPU_HAL_PROFILE").is_some(),
+            timestamps: std::env::var("NPU_HAL_TIMESTAMPS").as_deref() != Ok("0"),
             gemv_lanes: env_parse("NPU_HAL_GEMV_LANES"),
             gemv_wide_lanes: env_parse("NPU_HAL_GEMV_WIDE_LANES"),
             gemv_tall_lanes: env_parse("NPU_HAL_GEMV_TALL_LANES"),
@@ -463,6 +469,28 @@ struct Program {
     checked: Option<ValidShape>,
 }
 
+/// A submission queued behind the gate ([`Device::submit_held`]).
+#[derive(Debug)]
+struct HeldRun {
+    /// Its completion value.
+    value: u64,
+    /// The gate value it waits for.
+    gate: u64,
+    program: usize,
+    /// The shape its recorded command buffer was chosen for.
+    tokens: usize,
+    select: Range<usize>,
+}
+
+fn held_pending() -> Error {
+    Error::BadOp {
+        op: 0,
+        what: "a held submission waits for its release (Device::release or Device::discard) \
+               before this device takes other work"
+            .into(),
+    }
+}
+
 /// What a program's op checks (`check_op`, `VulkanNpu::check_gpu`) depend on besides the ops
 /// and the shapes of their weights and tensors, which never change once made: a batch with no
 /// spliced embeddings (whose buffers differ from batch to batch) of `tokens` rows with `slots`
@@ -603,6 +631,10 @@ pub struct VulkanNpu {
     foreign_timelines: Vec<(u64, VulkanTimeline)>,
     /// Private: every submission signals it, in order.
     completion: VulkanTimeline,
+    /// Private, host-signalled: a held submission waits for its next value.
+    gate: VulkanTimeline,
+    /// The submission queued behind the gate, if any ([`Device::submit_held`]).
+    held: Option<HeldRun>,
     /// Handed out by [`Device::timeline`]; moved only by submissions that signal it.
     public: Arc<VulkanTimeline>,
     ctx: Arc<Context>,
@@ -681,6 +713,8 @@ impl VulkanNpu {
         // every submission that signals either timeline registers the value first (`submit_raw`),
         // and `Drop` waits for the queue to be idle before the timelines go.
         let completion = unsafe { VulkanTimeline::new(ctx.device.clone(), owner.clone(), 0) }?;
+        // SAFETY: as above; only the host signals it.
+        let gate = unsafe { VulkanTimeline::new(ctx.device.clone(), owner.clone(), 0) }?;
         // Exportable where the driver allows, so another device (a second engine on this GPU)
         // can wait on the decoder's values in its own queue.
         let public = Arc::new(if ctx.imports_timelines {
@@ -721,7 +755,8 @@ impl VulkanNpu {
                 .instance
                 .get_physical_device_queue_family_properties(ctx.physical)
         };
-        let timestamps = families[ctx.queue_family as usize].timestamp_valid_bits > 0;
+        let timestamps =
+            config.timestamps && families[ctx.queue_family as usize].timestamp_valid_bits > 0;
         let gemv_lanes = config.gemv_lanes.unwrap_or(if ctx.adapter.is_cpu() {
             CPU_GEMV_LANES
         } else {
@@ -807,6 +842,8 @@ impl VulkanNpu {
             next_import: 0,
             foreign_timelines: Vec::new(),
             completion,
+            gate,
+            held: None,
             public,
             ctx,
         })
@@ -874,6 +911,11 @@ impl VulkanNpu {
         waits: &[(&VulkanTimeline, u64)],
         signals: &[(&VulkanTimeline, u64)],
     ) -> Result<u64, Error> {
+        // Work queued behind a held run would wait for its release, and so would whoever
+        // waits for that work.
+        if self.held.is_some() {
+            return Err(held_pending());
+        }
         let mut q = self.lock_queue();
         let value = q.last + 1;
         let mut sig_sems = vec![self.completion.semaphore()];
@@ -900,8 +942,10 @@ impl VulkanNpu {
             t.expect_device_signal(*v);
         }
         // SAFETY: the queue is used under its mutex only; the command buffer is fully recorded
-        // and not pending elsewhere (programs wait for their last value before resubmitting,
-        // the transfer buffer is used under its own mutex and waited for); every semaphore is a
+        // and either not pending elsewhere (the transfer buffer is used under its own mutex and
+        // waited for) or a program's, recorded for simultaneous use (a held run is queued while
+        // the run before is pending; their step values never overlap: the host writes a held
+        // run's after the run before is done); every semaphore is a
         // live timeline of this device, registered above; the completion value increases.
         unsafe {
             self.ctx
@@ -918,6 +962,11 @@ impl VulkanNpu {
     fn wait_done(&self, value: u64) -> Result<(), Error> {
         if self.completion.value()? >= value {
             return Ok(());
+        }
+        // The held run, and anything behind it, waits for the host: waiting for it here
+        // would never end.
+        if self.held.as_ref().is_some_and(|h| value >= h.value) {
+            return Err(held_pending());
         }
         self.counters.host_waits.fetch_add(1, Ordering::Relaxed);
         match self.host_wait {
@@ -977,6 +1026,8 @@ impl VulkanNpu {
     /// Blocks until everything submitted so far has completed.
     fn wait_all(&self) -> Result<(), Error> {
         let last = self.lock_queue().last;
+        // Everything before a held run (which waits for its release).
+        let last = self.held.as_ref().map_or(last, |h| h.value - 1);
         self.wait_done(last)
     }
 
@@ -2110,7 +2161,10 @@ impl VulkanNpu {
         };
         let d = self.ctx.device.clone();
         let cb = r.commands;
-        let begin = vk::CommandBufferBeginInfo::default();
+        // Simultaneous use: a held run of this command buffer is queued while its previous run
+        // is still pending (`Device::submit_held`).
+        let begin = vk::CommandBufferBeginInfo::default()
+            .flags(vk::CommandBufferUsageFlags::SIMULTANEOUS_USE);
         // SAFETY: a fresh command buffer of the program pool.
         unsafe { d.begin_command_buffer(cb, &begin) }.map_err(vk_err("vkBeginCommandBuffer"))?;
         let queries = r.kernels.len() as u32 + 2;
@@ -2819,11 +2873,13 @@ fn full_barrier(d: &ash::Device, cb: vk::CommandBuffer) {
     let barrier = [vk::MemoryBarrier::default()
         .src_access_mask(all)
         .dst_access_mask(all)];
+    // The host stage too: a held run's step values are written after its submission (before
+    // the host signal it waits for), which only a barrier from the host stage makes visible.
     // SAFETY: recording into `cb`; a global memory barrier with valid stage and access masks.
     unsafe {
         d.cmd_pipeline_barrier(
             cb,
-            vk::PipelineStageFlags::ALL_COMMANDS,
+            vk::PipelineStageFlags::ALL_COMMANDS | vk::PipelineStageFlags::HOST,
             vk::PipelineStageFlags::ALL_COMMANDS,
             vk::DependencyFlags::empty(),
             &barrier,
@@ -3014,9 +3070,48 @@ impl Device for VulkanNpu {
 
     fn submit(&mut self, s: Submission<'_>) -> Result<(), Error> {
         let started = std::time::Instant::now();
-        let result = self.submit_program(s);
+        let result = self.submit_program(s, false);
         add_ns(&self.counters.submit_ns, started);
         result
+    }
+
+    /// On a GPU; on a CPU implementation only without timestamps (see
+    /// [`VulkanConfig::timestamps`]).
+    fn holds(&self) -> bool {
+        !self.timestamps || !self.ctx.adapter.is_cpu()
+    }
+
+    /// Queued behind a private gate timeline the host signals on release; the step buffer
+    /// is written then, once the run before (which reads it) is done.
+    fn submit_held(&mut self, s: Submission<'_>) -> Result<Held, Error> {
+        if !self.holds() {
+            return Err(Error::Unsupported {
+                what: "held submissions with timestamps on a CPU implementation",
+                why: "reading the timestamps waits for the device to go idle, which a held \
+                      submission keeps it from (turn VulkanConfig::timestamps off)"
+                    .into(),
+            });
+        }
+        let started = std::time::Instant::now();
+        let result = self.submit_program(s, true);
+        add_ns(&self.counters.submit_ns, started);
+        result?;
+        Ok(Held(self.held.as_ref().expect("held above").value))
+    }
+
+    fn release(&mut self, held: Held, batch: Batch<'_>, kv: Option<&KvCache>) -> Result<(), Error> {
+        let started = std::time::Instant::now();
+        let run = self.take_held(&held)?;
+        let written = self.write_held(&run, &batch, kv);
+        // Opened whatever the batch: a refused one runs as a discard does, so the queue moves.
+        let opened = self.open_gate(&run);
+        add_ns(&self.counters.submit_ns, started);
+        written.and(opened)
+    }
+
+    fn discard(&mut self, held: Held) -> Result<(), Error> {
+        let run = self.take_held(&held)?;
+        self.open_gate(&run)
     }
 
     fn read_tensor(
@@ -3199,7 +3294,118 @@ impl VulkanNpu {
         Ok(())
     }
 
-    fn submit_program(&mut self, s: Submission<'_>) -> Result<(), Error> {
+    /// Refuses a token id outside an embedding op's vocabulary (spliced rows aside).
+    fn check_tokens(&self, ops: &[Op], batch: &Batch<'_>) -> Result<(), Error> {
+        for (i, op) in ops.iter().enumerate() {
+            let Op::Embed { table, .. } = op else {
+                continue;
+            };
+            let (vocab, _) = self.weight_shape_of(*table).unwrap_or((0, 0));
+            let spliced = batch.embeddings.as_ref().map_or(0..0, |e| e.rows.clone());
+            if let Some((r, t)) = batch
+                .tokens
+                .iter()
+                .enumerate()
+                .find(|(r, t)| !spliced.contains(r) && **t as usize >= vocab)
+            {
+                return Err(Error::BadOp {
+                    op: i,
+                    what: format!(
+                        "embed: token id {t} (row {r}) is outside the vocabulary of {vocab}"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Device::release`]'s checks and step write, short of opening the gate.
+    fn write_held(
+        &mut self,
+        run: &HeldRun,
+        batch: &Batch<'_>,
+        kv: Option<&KvCache>,
+    ) -> Result<(), Error> {
+        if batch.tokens.len() != run.tokens
+            || batch.select != run.select
+            || batch.slots.len() != batch.tokens.len()
+            || batch.embeddings.is_some()
+        {
+            return Err(Error::BadOp {
+                op: 0,
+                what: format!(
+                    "a release of {} tokens selecting {:?} ({} slots{}) for a submission held \
+                     with {} tokens selecting {:?}",
+                    batch.tokens.len(),
+                    batch.select,
+                    batch.slots.len(),
+                    if batch.embeddings.is_some() {
+                        ", spliced rows"
+                    } else {
+                        ""
+                    },
+                    run.tokens,
+                    run.select
+                ),
+            });
+        }
+        let p = &self.programs[run.program];
+        let key = kv.map(|k| KvKey {
+            buffer: k.buffer().as_ptr() as usize,
+            layout: *k.layout(),
+            blocks: k.manager().total_blocks(),
+        });
+        if p.kv.is_some() && key != p.kv {
+            return Err(Error::BadOp {
+                op: 0,
+                what: "a release over another KV cache than the held submission's".into(),
+            });
+        }
+        if let (Some(k), Some(_)) = (kv, p.kv) {
+            let total = k.manager().total_blocks() as u32;
+            if let Some(s) = batch.slots.iter().find(|s| s.block >= total) {
+                return Err(Error::BadOp {
+                    op: 0,
+                    what: format!("slot block {} of a cache of {total} blocks", s.block),
+                });
+            }
+        }
+        let ops = std::mem::take(&mut self.programs[run.program].ops);
+        let checked = self.check_tokens(&ops, batch);
+        self.programs[run.program].ops = ops;
+        checked?;
+        // Every run before the held one, the program's previous among them, is done before its
+        // step buffer is rewritten (the caller read its results already, so this costs nothing).
+        self.wait_done(run.value - 1)?;
+        self.collect_times()?;
+        self.write_step(run.program, batch, kv, 0)
+    }
+
+    /// Opens the gate a held run waits on.
+    fn open_gate(&mut self, run: &HeldRun) -> Result<(), Error> {
+        self.gate.signal(run.gate).map_err(Error::from)
+    }
+
+    /// The held run, checked against the handle.
+    fn take_held(&mut self, held: &Held) -> Result<HeldRun, Error> {
+        match self.held.take() {
+            Some(run) if run.value == held.0 => Ok(run),
+            other => {
+                self.held = other;
+                Err(Error::BadOp {
+                    op: 0,
+                    what: "a release or discard of a submission this device does not hold".into(),
+                })
+            }
+        }
+    }
+
+    /// Runs a submission; `hold` queues it behind the gate instead ([`Device::submit_held`]):
+    /// its step values are written, and the gate opened, by [`Device::release`].
+    fn submit_program(&mut self, s: Submission<'_>, hold: bool) -> Result<(), Error> {
+        if self.held.is_some() {
+            return Err(held_pending());
+        }
         let Submission {
             ops,
             batch,
@@ -3213,6 +3419,19 @@ impl VulkanNpu {
             return Err(Error::BadOp {
                 op: 0,
                 what: "the batch has no tokens".into(),
+            });
+        }
+        let device = self.ctx.device.handle();
+        if hold
+            && (batch.embeddings.is_some()
+                || attention.is_some()
+                || signal.is_some_and(|(t, _)| same_device(t, device).is_none()))
+        {
+            return Err(Error::Unsupported {
+                what: "this held submission",
+                why: "a held submission takes no spliced embeddings and no attention statistics, \
+                      and signals a timeline of this device"
+                    .into(),
             });
         }
         let kv: Option<&KvCache> = kv.map(|k| &*k);
@@ -3233,8 +3452,8 @@ impl VulkanNpu {
             && found.is_some_and(|pi| self.programs[pi].checked.as_ref() == shape.as_ref());
         let weight_shape = |w: WeightId| self.weight_shape_of(w);
         let tensor_shape = |t: TensorId| self.tensor_shape(t);
-        for (i, op) in ops.iter().enumerate() {
-            if !checked {
+        if !checked {
+            for (i, op) in ops.iter().enumerate() {
                 check_op(
                     i,
                     op,
@@ -3245,25 +3464,9 @@ impl VulkanNpu {
                 )?;
                 self.check_gpu(i, op)?;
             }
-            // Token ids change every step: always checked.
-            if let Op::Embed { table, .. } = op {
-                let (vocab, _) = self.weight_shape_of(*table).unwrap_or((0, 0));
-                let spliced = batch.embeddings.as_ref().map_or(0..0, |e| e.rows.clone());
-                if let Some((r, t)) = batch
-                    .tokens
-                    .iter()
-                    .enumerate()
-                    .find(|(r, t)| !spliced.contains(r) && **t as usize >= vocab)
-                {
-                    return Err(Error::BadOp {
-                        op: i,
-                        what: format!(
-                            "embed: token id {t} (row {r}) is outside the vocabulary of {vocab}"
-                        ),
-                    });
-                }
-            }
         }
+        // Token ids change every step: always checked.
+        self.check_tokens(ops, &batch)?;
         let pi = match found {
             Some(i) => i,
             None => {
@@ -3274,8 +3477,10 @@ impl VulkanNpu {
         };
         self.programs[pi].checked = shape;
         // The step buffer is rewritten only once the program's last run is done (and its
-        // timestamps are read before it runs again).
-        self.wait_done(self.programs[pi].last)?;
+        // timestamps are read before it runs again); a held run's is, by `release`.
+        if !hold {
+            self.wait_done(self.programs[pi].last)?;
+        }
         self.collect_times()?;
         // Rows another engine wrote into a unified buffer are read where they are.
         let (splice, splice_at) = match batch.embeddings.as_ref().map(|e| e.data) {
@@ -3287,7 +3492,9 @@ impl VulkanNpu {
             }
             _ => (0, 0),
         };
-        self.write_step(pi, &batch, kv, splice_at)?;
+        if !hold {
+            self.write_step(pi, &batch, kv, splice_at)?;
+        }
         let shape = (
             batch.tokens.len().next_power_of_two(),
             batch.select.len().next_power_of_two(),
@@ -3299,7 +3506,6 @@ impl VulkanNpu {
         }
         // Vulkan timelines of this device, or of another device of this GPU that exports them,
         // are waited on in the queue; anything else from the host.
-        let device = self.ctx.device.handle();
         let foreign = match wait {
             Some((t, _)) if same_device(t, device).is_none() => self.importable(t)?,
             _ => None,
@@ -3343,11 +3549,24 @@ impl VulkanNpu {
                 None => host_signal = Some((t, v)),
             }
         }
+        let gate_value = self.gate.value()? + 1;
+        if hold {
+            waits.push((&self.gate, gate_value));
+        }
         let recorded = &self.programs[pi].recorded[&shape];
         let (commands, stamps) = (recorded.commands, recorded.timestamps);
         let kernels = recorded.kernels.clone();
         let value = self.submit_raw(commands, &waits, &signals)?;
         self.programs[pi].last = value;
+        if hold {
+            self.held = Some(HeldRun {
+                value,
+                gate: gate_value,
+                program: pi,
+                tokens: batch.tokens.len(),
+                select: batch.select.clone(),
+            });
+        }
         self.counters.submissions.fetch_add(1, Ordering::Relaxed);
         if let Some(pool) = stamps {
             self.pending_times
@@ -3562,6 +3781,10 @@ impl VulkanNpu {
 
 impl Drop for VulkanNpu {
     fn drop(&mut self) {
+        // A held run stops the queue: let it run (as a discard) so the queue can drain.
+        if let Some(run) = self.held.take() {
+            let _ = self.open_gate(&run);
+        }
         // Nothing may be destroyed under the queue: wait for it (a lost device leaks rather than
         // destroy objects the GPU may still use).
         let idle = self.wait_all().is_ok();

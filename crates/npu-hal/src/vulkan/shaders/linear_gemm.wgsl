@@ -1,9 +1,9 @@
 // y[t][row] = sum_k W[row][k] x[t][k] for prefill batches: 64 rows x 64 tokens per workgroup,
-// 32 columns per step staged in workgroup memory (the weights decoded once per tile), 4 x 4
+// BK columns per step staged in workgroup memory (the weights decoded once per tile), 4 x 4
 // outputs per invocation. Holding the next step's loads in registers while a step computes
-// measured slower on the H200 (pp512 47.5k against 50.1k tokens/s: the registers cost more
-// occupancy than the overlap won), so each step loads, then computes. The module declares W_FORMAT, SPLIT_K and the linear_io.wgsl
-// constants.
+// measured slower on the H200 (pp512 47.5k against 50.1k tokens/s at BK 32: the registers cost
+// more occupancy than the overlap won), so each step loads, then computes. The module declares
+// W_FORMAT, SPLIT_K and the linear_io.wgsl constants.
 //
 // Split-K (SPLIT_K 1): the grid's z dimension cuts the columns into that many ranges of whole
 // BK steps, one workgroup each, for layers whose tiles are too few to fill the GPU. Each
@@ -11,10 +11,15 @@
 // adds them up (and does the output stage) in a second pass, in a fixed order.
 const BM: u32 = 64u;
 const BN: u32 = 64u;
-const BK: u32 = 32u;
+// Columns per step (a multiple of 16), and each step's four-column groups. 16 was the fastest
+// of 16, 32 and 64 on the H200 (pp512 51.5-51.6k tokens/s against 50.3-50.5k at 32 and 42.2k
+// at 64, alternating in one call): a smaller tile of workgroup memory leaves room for more
+// workgroups per core.
+const BK: u32 = 16u;
+const KQ: u32 = BK / 4u;
 // [k][row / 4] and [k][token / 4]: each element packs four neighbouring rows (tokens).
-var<workgroup> ws: array<vec4<f32>, 512>;
-var<workgroup> xs: array<vec4<f32>, 512>;
+var<workgroup> ws: array<vec4<f32>, BK * 16u>;
+var<workgroup> xs: array<vec4<f32>, BK * 16u>;
 // The fused RMSNorm: partial sums, then 1 / rms per token of the tile.
 var<workgroup> sq: array<f32, 256>;
 var<workgroup> inv_s: array<f32, 64>;
@@ -54,9 +59,9 @@ fn main(
     let k_lo = min(pc.cols, wg.z * per);
     let k_hi = min(pc.cols, k_lo + per);
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
-        for (var i = 0u; i < 2u; i++) {
+        for (var i = 0u; i < BK / 16u; i++) {
             let idx = lid + i * 256u;
-            stage_store(stage_load(row0, tok0, span, k0, idx), row0, tok0, span, idx);
+            stage_store(stage_load(row0, tok0, span, k0, k_hi, idx), row0, tok0, span, idx);
         }
         workgroupBarrier();
         for (var kk = 0u; kk < BK; kk++) {
@@ -92,12 +97,16 @@ struct Staged {
     a: vec4<f32>,
 }
 
-// Slot `idx` (0 .. 511) of the step at column k0: row (and token) idx / 8, columns
-// k0 + 4 (idx % 8) .. + 3.
-fn stage_load(row0: u32, tok0: u32, span: vec2<u32>, k0: u32, idx: u32) -> Staged {
-    let r = idx / 8u;
-    let kq = idx % 8u;
+// Slot `idx` (0 .. 64 KQ - 1) of the step at column k0: row (and token) idx / KQ, columns
+// k0 + 4 (idx % KQ) .. + 3.
+fn stage_load(row0: u32, tok0: u32, span: vec2<u32>, k0: u32, k_hi: u32, idx: u32) -> Staged {
+    let r = idx / KQ;
+    let kq = idx % KQ;
     var s: Staged;
+    // Past the columns (a last step of a range not a whole BK): zeros.
+    if (k0 + kq * 4u >= k_hi) {
+        return s;
+    }
     if (row0 + r < pc.rows) {
         s.w = w4_load(row0 + r, k0 + kq * 4u, pc.cols);
     }
@@ -112,8 +121,8 @@ fn stage_load(row0: u32, tok0: u32, span: vec2<u32>, k0: u32, idx: u32) -> Stage
 // Decodes slot `idx`'s loads into the tiles: each element of `ws` packs four neighbouring
 // rows, of `xs` four neighbouring tokens.
 fn stage_store(s: Staged, row0: u32, tok0: u32, span: vec2<u32>, idx: u32) {
-    let r = idx / 8u;
-    let kq = idx % 8u;
+    let r = idx / KQ;
+    let kq = idx % KQ;
     var w = vec4<f32>(0.0);
     if (row0 + r < pc.rows) {
         w = w4_unpack(s.w);
