@@ -1292,9 +1292,10 @@ impl Decoder {
     /// Where the device holds submissions ([`npu_hal::Device::submit_held`]; the GPU), each
     /// step is queued before the previous step's logits are read, and released with its token
     /// once `pick` returns it: the submission's host cost overlaps the device's run, and the
-    /// device idles only for the pick. Elsewhere, and with KV pruning or a context too full to
-    /// queue ahead, it is the plain loop over [`Decoder::forward`]. The tokens are the same
-    /// either way: a step that `pick` ends is discarded, repeating the step before's writes.
+    /// device idles only for the host's wake, the pick and the release. Elsewhere, and with KV
+    /// pruning, it is the plain loop over [`Decoder::forward`]. The logits are the same either
+    /// way: a step queued when `pick` ends the reply is discarded, repeating the step before's
+    /// writes with the same values.
     pub fn decode_ahead(
         &mut self,
         first: u32,
@@ -1337,6 +1338,15 @@ impl Decoder {
         pick: &mut impl FnMut(&[f32]) -> Option<u32>,
     ) -> Result<usize, DecodeError> {
         let vocab = self.config.vocab_size;
+        if token as usize >= vocab {
+            return Err(DecodeError::BadToken { id: token, vocab });
+        }
+        if self.len >= self.options.ctx {
+            return Err(DecodeError::ContextFull {
+                wanted: self.len + 1,
+                ctx: self.options.ctx,
+            });
+        }
         // The first queued step is released at once; each after it is queued before the
         // logits of the one before are read.
         let held = self.hold_step()?;

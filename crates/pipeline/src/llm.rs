@@ -623,7 +623,9 @@ pub struct TokenSplit {
     pub wall_us: f64,
     /// Execution on the device (GPU timestamps); `None` when the device has no clock.
     pub device_us: Option<f64>,
-    /// Host time inside `submit` (on the CPU NPU this is the compute itself).
+    /// Host time inside `submit`, and `submit_held` / `release` where decode steps are queued
+    /// ahead (then mostly while the device runs the step before); on the CPU NPU this is the
+    /// compute itself.
     pub submit_us: f64,
     /// Host time copying results out once they were ready (none where the device shows the
     /// logits in place: [`npu_hal::Device::view_tensor`]).

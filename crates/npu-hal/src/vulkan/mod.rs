@@ -3549,7 +3549,8 @@ impl VulkanNpu {
                 None => host_signal = Some((t, v)),
             }
         }
-        let gate_value = self.gate.value()? + 1;
+        // A held run waits for the gate's next value, which only `release` / `discard` signal.
+        let gate_value = if hold { self.gate.value()? + 1 } else { 0 };
         if hold {
             waits.push((&self.gate, gate_value));
         }

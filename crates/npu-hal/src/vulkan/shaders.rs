@@ -125,7 +125,7 @@ pub(crate) enum Kernel {
     RmsNorm,
     /// A GEMV over up to `tokens` tokens per workgroup row: `lanes` invocations per lane
     /// group, each group taking `rows` neighbouring output rows (256 / `lanes` * `rows` rows per
-    /// workgroup; `rows` is 1 unless `tokens` is).
+    /// workgroup; `rows` is above 1 for one-token GEMVs only).
     Gemv {
         format: WeightFormat,
         tokens: u32,
