@@ -436,6 +436,52 @@ pub fn generate_from(
     let mut draft = Draft::default();
     let mut dist = Vec::new();
     let mut first = None;
+    if speculation.is_none() {
+        // One token a step: each step is queued while the one before runs, where the device
+        // holds submissions (`Decoder::decode_ahead`). `take` picks from one row of logits
+        // and says whether the reply goes on, and with which token.
+        let mut take = |logits: &mut [f32]| -> Result<Option<u32>, DecodeError> {
+            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
+                g.mask(s, logits).map_err(grammar_error)?;
+            }
+            let token = sampler.sample(logits, &history).map_err(sampling_error)?;
+            if first.is_none() {
+                stats.time_to_first_token = start.elapsed();
+                first = Some(Instant::now());
+            }
+            if stop.contains(&token) {
+                return Ok(None);
+            }
+            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
+                g.advance(s, token).map_err(grammar_error)?;
+            }
+            stats.generated += 1;
+            history.push(token);
+            let exhausted = grammar
+                .zip(state.as_ref())
+                .is_some_and(|(g, s)| g.is_exhausted(s));
+            let more = on_token(token) && !exhausted && stats.generated < max_tokens;
+            Ok(more.then_some(token))
+        };
+        if let Some(token) = take(&mut rows[..vocab])? {
+            let mut failed = None;
+            // `take` has one token out (the reply goes on only below `max_tokens`).
+            decoder.decode_ahead(token, max_tokens - 1, |l| {
+                rows.clear();
+                rows.extend_from_slice(l);
+                take(&mut rows).unwrap_or_else(|e| {
+                    failed = Some(e);
+                    None
+                })
+            })?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
+        stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
+        stats.kv_pages_pruned = decoder.pages_pruned() - pruned_before;
+        return Ok(stats);
+    }
     // The pass's input: the last token, then the drafts.
     let mut feed = Vec::new();
     loop {

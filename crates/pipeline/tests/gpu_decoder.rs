@@ -164,8 +164,9 @@ fn gpu_decoder_greedy_ids_agree_with_the_cpu() {
 /// `Decoder::decode_ahead` queues each step before the previous step's logits are read (held
 /// submissions; lavapipe holds them with timestamps off): the logits it shows are the plain
 /// loop's, bit for bit, and a reply that ends early (the queued step discarded) leaves the
-/// cache as the plain loop would, so the next step's logits are the plain loop's too. On the
-/// CPU NPU, which holds nothing, it is the plain loop.
+/// cache as the plain loop would, so the next step's logits are the plain loop's too; and
+/// `generate`, which decodes through it, gives the plain loop's greedy ids. On the CPU NPU,
+/// which holds nothing, it is the plain loop.
 #[test]
 fn queued_decode_steps_show_the_plain_loops_logits() {
     use npu_hal::{Backend, VulkanBackend, VulkanConfig};
@@ -234,6 +235,18 @@ fn queued_decode_steps_show_the_plain_loops_logits() {
             bits(&plain[5]),
             "{name}: the step after an early end"
         );
+        // `generate` decodes through the same queued steps: the plain loop's greedy ids.
+        let mut ids = Vec::new();
+        pipeline::llm::generate(d, &IDS[..5], STEPS, SamplingParams::default(), &[], |t| {
+            ids.push(t);
+            true
+        })
+        .unwrap();
+        let want: Vec<u32> = std::iter::once(first)
+            .chain(plain.iter().map(|l| greedy(l)))
+            .take(STEPS)
+            .collect();
+        assert_eq!(ids, want, "{name}: generate's greedy ids");
     }
 }
 
