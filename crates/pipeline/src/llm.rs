@@ -466,7 +466,8 @@ pub fn generate_from(
         if let Some(token) = take(&mut rows[..vocab])? {
             let mut failed = None;
             // `take` has one token out (the reply goes on only below `max_tokens`).
-            decoder.decode_ahead(token, max_tokens - 1, |l| {
+            // Each step a decoder pass after the prompt's.
+            stats.draft.steps = decoder.decode_ahead(token, max_tokens - 1, |l| {
                 rows.clear();
                 rows.extend_from_slice(l);
                 take(&mut rows).unwrap_or_else(|e| {
