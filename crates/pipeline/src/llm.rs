@@ -388,6 +388,73 @@ impl<'a> Prompt<'a> {
     }
 }
 
+/// What a reply does with each token sampled, in either of [`generate_from`]'s loops: the
+/// first token's time, the stop tokens, the grammar, the history and the caller's callback.
+struct Reply<'a, F> {
+    stop: &'a [u32],
+    grammar: Option<&'a crate::grammar::Grammar>,
+    state: Option<crate::grammar::GrammarState>,
+    history: Vec<u32>,
+    stats: GenerationStats,
+    start: Instant,
+    first: Option<Instant>,
+    max_tokens: usize,
+    on_token: F,
+}
+
+/// What a reply does after a token ([`Reply::emit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Emitted {
+    /// A stop token: not part of the reply, which ends.
+    Stop,
+    /// The reply's last token (the callback said so, the grammar is exhausted, or the length).
+    Last,
+    /// A token of the reply, which goes on.
+    More,
+}
+
+fn grammar_error(e: crate::grammar::GrammarError) -> DecodeError {
+    DecodeError::Sampling(e.to_string())
+}
+
+fn sampling_error(e: npu_hal::sampling::SamplingError) -> DecodeError {
+    DecodeError::Sampling(e.to_string())
+}
+
+impl<F: FnMut(u32) -> bool> Reply<'_, F> {
+    /// Masks `logits` to what the grammar allows next.
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), DecodeError> {
+        if let (Some(g), Some(s)) = (self.grammar, self.state.as_mut()) {
+            g.mask(s, logits).map_err(grammar_error)?;
+        }
+        Ok(())
+    }
+
+    /// Takes `token` into the reply.
+    fn emit(&mut self, token: u32) -> Result<Emitted, DecodeError> {
+        if self.first.is_none() {
+            self.stats.time_to_first_token = self.start.elapsed();
+            self.first = Some(Instant::now());
+        }
+        if self.stop.contains(&token) {
+            return Ok(Emitted::Stop);
+        }
+        if let (Some(g), Some(s)) = (self.grammar, self.state.as_mut()) {
+            g.advance(s, token).map_err(grammar_error)?;
+        }
+        self.stats.generated += 1;
+        self.history.push(token);
+        let exhausted = self
+            .grammar
+            .zip(self.state.as_ref())
+            .is_some_and(|(g, s)| g.is_exhausted(s));
+        if !(self.on_token)(token) || exhausted || self.stats.generated == self.max_tokens {
+            return Ok(Emitted::Last);
+        }
+        Ok(Emitted::More)
+    }
+}
+
 /// [`generate_speculative`] from any [`Prompt`]: the loop every generation runs (`generate`,
 /// `pipeline run`'s decoder stage).
 #[allow(clippy::too_many_arguments)]
@@ -399,11 +466,8 @@ pub fn generate_from(
     stop: &[u32],
     grammar: Option<&crate::grammar::Grammar>,
     mut speculation: Option<Speculation<'_>>,
-    mut on_token: impl FnMut(u32) -> bool,
+    on_token: impl FnMut(u32) -> bool,
 ) -> Result<GenerationStats, DecodeError> {
-    let grammar_error = |e: crate::grammar::GrammarError| DecodeError::Sampling(e.to_string());
-    let sampling_error = |e: npu_hal::sampling::SamplingError| DecodeError::Sampling(e.to_string());
-    let mut state = grammar.map(|g| g.start());
     let mut sampler = Sampler::new(sampling).map_err(sampling_error)?;
     if !prompt.continues {
         decoder.reset()?;
@@ -411,7 +475,7 @@ pub fn generate_from(
     if let Some(s) = speculation.as_mut() {
         s.drafter.reset()?;
     }
-    let mut stats = GenerationStats {
+    let stats = GenerationStats {
         prompt_tokens: prompt.tokens.len(),
         ..GenerationStats::default()
     };
@@ -420,8 +484,17 @@ pub fn generate_from(
     }
     let vocab = decoder.config().vocab_size;
     let pruned_before = decoder.pages_pruned();
-    let mut history: Vec<u32> = prompt.history.unwrap_or(prompt.tokens).to_vec();
-    let start = Instant::now();
+    let mut reply = Reply {
+        stop,
+        grammar,
+        state: grammar.map(|g| g.start()),
+        history: prompt.history.unwrap_or(prompt.tokens).to_vec(),
+        stats,
+        start: Instant::now(),
+        first: None,
+        max_tokens,
+        on_token,
+    };
     // rows[i * vocab..] predicts the token after the pass's i-th fed token.
     let mut rows = Vec::new();
     let n = prompt.tokens.len();
@@ -429,45 +502,28 @@ pub fn generate_from(
         rows.clear();
         rows.extend_from_slice(l)
     })?;
-    stats.prefix_cached_tokens = decoder.prefix_reused();
+    reply.stats.prefix_cached_tokens = decoder.prefix_reused();
     if prompt.pin {
         decoder.pin_prefix(decoder.len())?;
     }
-    let mut draft = Draft::default();
-    let mut dist = Vec::new();
-    let mut first = None;
-    if speculation.is_none() {
+    if let Some(speculation) = speculation {
+        speculate(decoder, &mut reply, &mut sampler, &mut rows, speculation)?;
+    } else {
         // One token a step: each step is queued while the one before runs, where the device
-        // holds submissions (`Decoder::decode_ahead`). `take` picks from one row of logits
-        // and says whether the reply goes on, and with which token.
+        // holds submissions (`Decoder::decode_ahead`). `take` samples one row of logits and
+        // gives the token to feed next while the reply goes on.
         let mut take = |logits: &mut [f32]| -> Result<Option<u32>, DecodeError> {
-            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-                g.mask(s, logits).map_err(grammar_error)?;
-            }
-            let token = sampler.sample(logits, &history).map_err(sampling_error)?;
-            if first.is_none() {
-                stats.time_to_first_token = start.elapsed();
-                first = Some(Instant::now());
-            }
-            if stop.contains(&token) {
-                return Ok(None);
-            }
-            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-                g.advance(s, token).map_err(grammar_error)?;
-            }
-            stats.generated += 1;
-            history.push(token);
-            let exhausted = grammar
-                .zip(state.as_ref())
-                .is_some_and(|(g, s)| g.is_exhausted(s));
-            let more = on_token(token) && !exhausted && stats.generated < max_tokens;
-            Ok(more.then_some(token))
+            reply.mask(logits)?;
+            let token = sampler
+                .sample(logits, &reply.history)
+                .map_err(sampling_error)?;
+            Ok((reply.emit(token)? == Emitted::More).then_some(token))
         };
         if let Some(token) = take(&mut rows[..vocab])? {
             let mut failed = None;
-            // `take` has one token out (the reply goes on only below `max_tokens`).
-            // Each step a decoder pass after the prompt's.
-            stats.draft.steps = decoder.decode_ahead(token, max_tokens - 1, |l| {
+            // `take` has one token out (the reply goes on only below `max_tokens`); each step
+            // is a decoder pass after the prompt's.
+            let steps = decoder.decode_ahead(token, max_tokens - 1, |l| {
                 rows.clear();
                 rows.extend_from_slice(l);
                 take(&mut rows).unwrap_or_else(|e| {
@@ -478,11 +534,28 @@ pub fn generate_from(
             if let Some(e) = failed {
                 return Err(e);
             }
+            reply.stats.draft.steps = steps;
         }
-        stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
-        stats.kv_pages_pruned = decoder.pages_pruned() - pruned_before;
-        return Ok(stats);
     }
+    let mut stats = reply.stats;
+    stats.decode_time = reply.first.map_or(Duration::ZERO, |t| t.elapsed());
+    stats.kv_pages_pruned = decoder.pages_pruned() - pruned_before;
+    Ok(stats)
+}
+
+/// [`generate_from`]'s loop with drafts: each pass feeds the last token and the drafts, and
+/// row i of its logits checks draft i and gives the next token. `rows` holds the prompt's
+/// last row.
+fn speculate<F: FnMut(u32) -> bool>(
+    decoder: &mut Decoder,
+    reply: &mut Reply<'_, F>,
+    sampler: &mut Sampler,
+    rows: &mut Vec<f32>,
+    mut speculation: Speculation<'_>,
+) -> Result<(), DecodeError> {
+    let vocab = decoder.config().vocab_size;
+    let mut draft = Draft::default();
+    let mut dist = Vec::new();
     // The pass's input: the last token, then the drafts.
     let mut feed = Vec::new();
     loop {
@@ -491,39 +564,24 @@ pub fn generate_from(
         let mut pending = None;
         for i in 0..=draft.tokens.len() {
             let logits = &mut rows[i * vocab..(i + 1) * vocab];
-            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-                g.mask(s, logits).map_err(grammar_error)?;
-            }
+            reply.mask(logits)?;
             let drafted = draft.tokens.get(i).copied();
             let token = match drafted {
                 Some(d) => {
                     sampler
-                        .distribution(logits, &history, &mut dist)
+                        .distribution(logits, &reply.history, &mut dist)
                         .map_err(sampling_error)?;
                     let q = draft.dists.get(i).map(Vec::as_slice);
-                    match crate::speculative::verify(&mut sampler, &dist, d, q) {
+                    match crate::speculative::verify(sampler, &dist, d, q) {
                         Verdict::Accept => d,
                         Verdict::Replace(t) => t,
                     }
                 }
-                None => sampler.sample(logits, &history).map_err(sampling_error)?,
+                None => sampler
+                    .sample(logits, &reply.history)
+                    .map_err(sampling_error)?,
             };
-            if first.is_none() {
-                stats.time_to_first_token = start.elapsed();
-                first = Some(Instant::now());
-            }
-            if stop.contains(&token) {
-                break;
-            }
-            if let (Some(g), Some(s)) = (grammar, state.as_mut()) {
-                g.advance(s, token).map_err(grammar_error)?;
-            }
-            stats.generated += 1;
-            history.push(token);
-            let exhausted = grammar
-                .zip(state.as_ref())
-                .is_some_and(|(g, s)| g.is_exhausted(s));
-            if !on_token(token) || exhausted || stats.generated == max_tokens {
+            if reply.emit(token)? != Emitted::More {
                 break;
             }
             if drafted == Some(token) {
@@ -534,10 +592,8 @@ pub fn generate_from(
             pending = Some(token);
             break;
         }
-        if let Some(s) = speculation.as_mut() {
-            s.control.record(draft.tokens.len(), accepted);
-            stats.draft.accepted += accepted;
-        }
+        speculation.control.record(draft.tokens.len(), accepted);
+        reply.stats.draft.accepted += accepted;
         // Roll back the drafts after the first rejected one, also when the reply ends here
         // (a stop token or the length inside the drafts): the sequence then holds exactly the
         // prompt and the reply fed so far, which a continuing conversation builds on.
@@ -550,23 +606,22 @@ pub fn generate_from(
         };
         draft.tokens.clear();
         draft.dists.clear();
-        if let Some(s) = speculation.as_mut() {
-            // A pass can emit k + 1 tokens and must fit in the context.
-            let room = decoder.options().ctx.saturating_sub(decoder.len() + 1);
-            let left = max_tokens - stats.generated - 1;
-            let k = s
-                .control
-                .tokens(s.drafter.cost_per_token())
-                .min(room)
-                .min(left);
-            if k > 0 {
-                s.drafter.draft(&history, k, &mut draft)?;
-                draft.tokens.truncate(k);
-                draft.dists.truncate(k);
-            }
+        // A pass can emit k + 1 tokens and must fit in the context.
+        let room = decoder.options().ctx.saturating_sub(decoder.len() + 1);
+        let left = reply.max_tokens - reply.stats.generated - 1;
+        let s = &mut speculation;
+        let k = s
+            .control
+            .tokens(s.drafter.cost_per_token())
+            .min(room)
+            .min(left);
+        if k > 0 {
+            s.drafter.draft(&reply.history, k, &mut draft)?;
+            draft.tokens.truncate(k);
+            draft.dists.truncate(k);
         }
-        stats.draft.steps += 1;
-        stats.draft.drafted += draft.tokens.len();
+        reply.stats.draft.steps += 1;
+        reply.stats.draft.drafted += draft.tokens.len();
         feed.clear();
         feed.push(pending);
         feed.extend_from_slice(&draft.tokens);
@@ -575,9 +630,7 @@ pub fn generate_from(
             rows[i * vocab..(i + 1) * vocab].copy_from_slice(l)
         })?;
     }
-    stats.decode_time = first.map_or(Duration::ZERO, |t| t.elapsed());
-    stats.kv_pages_pruned = decoder.pages_pruned() - pruned_before;
-    Ok(stats)
+    Ok(())
 }
 
 /// The outcome of [`perplexity`].
