@@ -336,10 +336,7 @@ pub trait Device: Send + std::fmt::Debug {
         // Checked before the scratch grows, so a bad range allocates nothing.
         let values = rows.len().saturating_mul(width);
         check_rows("view_tensor", width, max_rows, &rows, values)?;
-        scratch.resize(rows.len() * width, 0.0);
-        self.read_tensor(tensor, rows, scratch)?;
-        view(scratch);
-        Ok(())
+        view_copied(self, tensor, rows, scratch, view)
     }
     /// Whether [`Device::submit_held`] works here: a queue that waits, without the host, for
     /// a value the host signals later. The default is `false`.
@@ -459,6 +456,22 @@ pub struct Probe {
 
 /// Checks `rows` of a `[max_rows, width]` tensor against `values` host values, for
 /// [`Device::read_tensor`] (`call` names it in the error) and [`Device::write_tensor`].
+/// [`Device::view_tensor`] by copy: `rows` of `tensor` (checked by the caller) read into
+/// `scratch`, then shown.
+pub(crate) fn view_copied<D: Device + ?Sized>(
+    device: &D,
+    tensor: TensorId,
+    rows: Range<usize>,
+    scratch: &mut Vec<f32>,
+    view: &mut dyn FnMut(&[f32]),
+) -> Result<(), Error> {
+    let width = device.tensor_shape(tensor).map_or(0, |(w, _)| w);
+    scratch.resize(rows.len() * width, 0.0);
+    device.read_tensor(tensor, rows, scratch)?;
+    view(scratch);
+    Ok(())
+}
+
 pub(crate) fn check_rows(
     call: &str,
     width: usize,

@@ -1028,32 +1028,12 @@ fn a_gpu_waits_on_another_devices_timeline_in_its_queue() {
     let own = gpu.timeline().expect("timeline");
     let mut kv = kv_cache(PageDtype::F16);
     let chunk = &chunks()[0];
-    // A first run over this cache, waited for here: the device mirrors a new cache's pages
-    // (a clear the host waits for) and the program's last run must be done before it runs
-    // again, so only the submission below is counted.
-    kv.add_sequence(1, &[]).expect("sequence");
-    let warm = kv.append(1, chunk).expect("append");
-    let warmed = own.value().unwrap() + 1;
-    gpu.submit(Submission {
-        ops: &model.body,
-        batch: Batch {
-            tokens: chunk,
-            first_pos: 0,
-            seq: 1,
-            slots: &warm.slots,
-            select: 0..0,
-            embeddings: None,
-        },
-        kv: Some(&mut kv),
-        attention: None,
-        wait: None,
-        signal: Some((&*own, warmed)),
-        live: None,
-    })
-    .expect("warm-up submitted");
-    own.wait(warmed, std::time::Duration::from_secs(10))
-        .expect("the warm-up completes");
-    kv.free_sequence(1).expect("free");
+    // A first run over this cache, its logits read: the device mirrors a new cache's pages
+    // (a clear the host waits for) and every run before is done, so only the submission
+    // below is counted.
+    run(&mut gpu, &model, &mut kv, std::slice::from_ref(chunk), None);
+    kv.free_sequence(0).expect("free");
+    kv.add_sequence(0, &[]).expect("sequence");
     let before = gpu.stats();
     let at = upstream.value().unwrap() + 1;
     // The body waits for `at` in the queue and signals `own`; the host thread is not blocked.

@@ -468,13 +468,7 @@ impl GpuBuffer {
     /// Reads `out.len()` bytes at `offset` of a mapped buffer. The GPU's writes to them must
     /// have completed.
     pub(crate) fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), Error> {
-        let map = self.check(offset, out.len())?;
-        // SAFETY: `check` proved `offset` lies inside the mapping.
-        let src = unsafe { map.as_ptr().add(offset) };
-        // SAFETY: `check` proved the range lies inside the mapping; host writes need `&mut
-        // self`, so none races this read, and the caller waited for the GPU's writes (coherent
-        // memory needs no invalidation).
-        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        out.copy_from_slice(self.bytes(offset, out.len())?);
         Ok(())
     }
 

@@ -56,7 +56,7 @@ use self::gpu::{Context, GpuBuffer, Instance, Memory, PUSH_BYTES, vk_err};
 use self::shaders::{Kernel, KvFormat, LinearInput, Pipelines, WeightFormat};
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
-    TensorId, Weight, WeightId, check_op, check_rows,
+    TensorId, Weight, WeightId, check_op, check_rows, view_copied,
 };
 use crate::{EmbeddingData, Error, Held};
 use uvm_alloc::UnifiedBuffer;
@@ -301,6 +301,16 @@ struct KvKey {
     buffer: usize,
     layout: KvLayout,
     blocks: usize,
+}
+
+impl KvKey {
+    fn of(kv: &KvCache) -> KvKey {
+        KvKey {
+            buffer: kv.buffer().as_ptr() as usize,
+            layout: *kv.layout(),
+            blocks: kv.manager().total_blocks(),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -1115,11 +1125,7 @@ impl VulkanNpu {
 
     /// The device's mirror of `kv`'s pages, made (and older programs dropped) when it is new.
     fn mirror(&mut self, kv: &KvCache) -> Result<KvKey, Error> {
-        let key = KvKey {
-            buffer: kv.buffer().as_ptr() as usize,
-            layout: *kv.layout(),
-            blocks: kv.manager().total_blocks(),
-        };
+        let key = KvKey::of(kv);
         if self.kv.as_ref().is_some_and(|m| m.key == key) {
             return Ok(key);
         }
@@ -3142,10 +3148,7 @@ impl Device for VulkanNpu {
         let values = rows.len().saturating_mul(t.width);
         check_rows("view_tensor", t.width, t.max_rows, &rows, values)?;
         if !t.buffer.is_mapped() {
-            scratch.resize(values, 0.0);
-            self.read_tensor(tensor, rows, scratch)?;
-            view(scratch);
-            return Ok(());
+            return view_copied(self, tensor, rows, scratch, view);
         }
         self.wait_all()?;
         self.collect_times()?;
@@ -3350,12 +3353,7 @@ impl VulkanNpu {
             });
         }
         let p = &self.programs[run.program];
-        let key = kv.map(|k| KvKey {
-            buffer: k.buffer().as_ptr() as usize,
-            layout: *k.layout(),
-            blocks: k.manager().total_blocks(),
-        });
-        if p.kv.is_some() && key != p.kv {
+        if p.kv.is_some() && kv.map(KvKey::of) != p.kv {
             return Err(Error::BadOp {
                 op: 0,
                 what: "a release over another KV cache than the held submission's".into(),
@@ -3370,10 +3368,7 @@ impl VulkanNpu {
                 });
             }
         }
-        let ops = std::mem::take(&mut self.programs[run.program].ops);
-        let checked = self.check_tokens(&ops, batch);
-        self.programs[run.program].ops = ops;
-        checked?;
+        self.check_tokens(&self.programs[run.program].ops, batch)?;
         // Every run before the held one, the program's previous among them, is done before its
         // step buffer is rewritten (the caller read its results already, so this costs nothing).
         self.wait_done(run.value - 1)?;
@@ -3550,10 +3545,13 @@ impl VulkanNpu {
             }
         }
         // A held run waits for the gate's next value, which only `release` / `discard` signal.
-        let gate_value = if hold { self.gate.value()? + 1 } else { 0 };
-        if hold {
-            waits.push((&self.gate, gate_value));
-        }
+        let gate_value = if hold {
+            let v = self.gate.value()? + 1;
+            waits.push((&self.gate, v));
+            v
+        } else {
+            0
+        };
         let recorded = &self.programs[pi].recorded[&shape];
         let (commands, stamps) = (recorded.commands, recorded.timestamps);
         let kernels = recorded.kernels.clone();

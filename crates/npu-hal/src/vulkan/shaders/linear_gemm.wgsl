@@ -13,7 +13,7 @@ const BM: u32 = 64u;
 const BN: u32 = 64u;
 // Columns per step (a multiple of 16), and each step's four-column groups. 16 was the fastest
 // of 16, 32 and 64 on the H200 (pp512 51.5-51.6k tokens/s against 50.3-50.5k at 32 and 42.2k
-// at 64, alternating in one call): a smaller tile of workgroup memory leaves room for more
+// at 64, alternating in one call; README, "Decoder on the GPU", sixth sitting): a smaller tile of workgroup memory leaves room for more
 // workgroups per core.
 const BK: u32 = 16u;
 const KQ: u32 = BK / 4u;
