@@ -298,6 +298,12 @@ const TESTS: &[HardwareTest] = &[
     hw(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),
+        "tensor_core_gemms_match_the_cpu_and_the_simt_gemm",
+        &[Need::VulkanCoopMatrix],
+    ),
+    hw(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
         "a_gpu_waits_on_another_devices_timeline_in_its_queue",
         &[Need::VulkanTimelineExport],
     ),

@@ -678,6 +678,79 @@ fn a_split_k_gemm_matches_the_cpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The prefill GEMM on tensor cores (VulkanConfig::tensor_cores: cooperative matrices, weights
+/// and activations rounded to f16 as they are staged, f32 sums) against the CPU and against the
+/// SIMT GEMM on the same GPU: every weight format it takes, the RMSNorm and the residual add
+/// folded in, split over column ranges and not, at token counts just past the GEMV's batches,
+/// one partial token tile and two. Needs an adapter with cooperative matrices (not lavapipe in
+/// Mesa 22.3): `cargo xtask device-test` runs it where one has them.
+#[test]
+#[ignore = "needs a Vulkan adapter with cooperative matrices (cargo xtask device-test)"]
+fn tensor_core_gemms_match_the_cpu_and_the_simt_gemm() {
+    let mut cpu = cpu();
+    let open = |tensor_cores, split| {
+        VulkanNpu::new(VulkanConfig {
+            tensor_cores: Some(tensor_cores),
+            gemm_split_groups: Some(split),
+            ..VulkanConfig::default()
+        })
+        .unwrap_or_else(|e| panic!("no GPU backend with tensor_cores {tensor_cores}: {e}"))
+    };
+    let mut failures = Vec::new();
+    let mut worst_vs_simt = 0f32;
+    for split in [0, 100_000] {
+        let (mut coop, mut simt) = (open(true, split), open(false, split));
+        for count in [9u32, 70, 128] {
+            let tokens: Vec<u32> = (0..count).map(|i| (i * 37 + 5) % VOCAB as u32).collect();
+            for (storage, norm, residual, rows, cols) in [
+                (Storage::Mx(ElemFormat::Fp4E2M1), true, false, 100, 1120),
+                (Storage::Mx(ElemFormat::Fp8E4M3), false, true, 576, 576),
+                (Storage::Mx(ElemFormat::Fp6E2M3), true, true, 130, 160),
+                (Storage::Block(BlockType::Q4_0), true, false, 576, 576),
+                (Storage::Block(BlockType::Q4_1), false, true, 100, 1120),
+                (Storage::Block(BlockType::Q8_0), true, true, 4100, HIDDEN),
+                (Storage::F16, true, false, 130, 1120),
+            ] {
+                let run = |device: &mut dyn Device| {
+                    linear_outputs(device, storage, norm, residual, rows, cols, &tokens, false)
+                };
+                let want = run(&mut cpu);
+                let got = run(&mut coop);
+                let reference = run(&mut simt);
+                let (max, mean) = errors(&got, &want);
+                let (vs_simt, vs_simt_mean) = errors(&got, &reference);
+                worst_vs_simt = worst_vs_simt.max(vs_simt);
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "device-test detail: {storage:?} tensor-core GEMM, {count} tokens, {rows} x {cols} (norm {norm}, residual {residual}, split {}) on {}: max error {max:.2e}, mean {mean:.2e} against the CPU; {vs_simt:.2e}, mean {vs_simt_mean:.2e} against the SIMT GEMM",
+                    split > 0,
+                    coop.adapter()
+                );
+                // As mx_weights_match_the_cpu: the CPU rounds activations to int8 (f16 weights:
+                // it keeps f32, so the f16 rounding of x is all that differs).
+                let tolerance = if matches!(storage, Storage::F16) {
+                    5e-3
+                } else {
+                    0.03
+                };
+                if max > tolerance || vs_simt > 5e-3 {
+                    failures.push(format!(
+                        "{storage:?}, {count} tokens, {rows} x {cols} (norm {norm}, residual \
+                         {residual}, split {}): max error {max} against the CPU (tolerance \
+                         {tolerance}), {vs_simt} against the SIMT GEMM (tolerance 5e-3)",
+                        split > 0
+                    ));
+                }
+            }
+        }
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "device-test detail: tensor-core GEMMs within {worst_vs_simt:.2e} of the SIMT GEMM (of max |y|)"
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 // The host's ways of waiting change when it wakes, never what it reads: the same program
 // gives the same logits, bit for bit, blocking, spinning and napping (whose estimates are
 // warm after the first runs of each command buffer).

@@ -60,7 +60,7 @@ pub(crate) struct Instance {
     // loaded library) goes.
     pub(crate) instance: ash::Instance,
     /// The loaded library, kept until the instance is gone.
-    _entry: ash::Entry,
+    entry: ash::Entry,
 }
 
 impl Instance {
@@ -78,10 +78,7 @@ impl Instance {
         // SAFETY: a valid create info with no extensions or layers.
         let instance =
             unsafe { entry.create_instance(&info, None) }.map_err(vk_err("vkCreateInstance"))?;
-        Ok(Instance {
-            instance,
-            _entry: entry,
-        })
+        Ok(Instance { instance, entry })
     }
 
     pub(crate) fn adapters(&self) -> Result<Vec<(vk::PhysicalDevice, Adapter)>, Error> {
@@ -165,6 +162,87 @@ impl Instance {
         }
         None
     }
+
+    /// Why `pd` cannot run the tensor-core GEMM (`shaders/linear_gemm_coop.wgsl`), or `None`
+    /// when it can. It needs VK_KHR_cooperative_matrix with a 16x16x16 f16 x f16 -> f32
+    /// subgroup configuration; f16 arithmetic and 16-bit storage access (naga declares both
+    /// for any module with an f16 type); the Vulkan memory model (naga writes cooperative-matrix
+    /// modules in it); and 32-lane subgroups (the kernel's 128 invocations are 4 subgroups).
+    pub(crate) fn tensor_core_gap(
+        &self,
+        pd: vk::PhysicalDevice,
+        offered: &[vk::ExtensionProperties],
+    ) -> Option<String> {
+        let coop = ash::khr::cooperative_matrix::NAME;
+        if !offered
+            .iter()
+            .any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == coop))
+        {
+            return Some(format!("no {}", coop.to_string_lossy()));
+        }
+        let mut v11 = vk::PhysicalDeviceVulkan11Features::default();
+        let mut v12 = vk::PhysicalDeviceVulkan12Features::default();
+        let mut coop_features = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+        let mut features = vk::PhysicalDeviceFeatures2::default()
+            .push_next(&mut v11)
+            .push_next(&mut v12)
+            .push_next(&mut coop_features);
+        // SAFETY: a physical device of this 1.2 instance that offers the extension whose
+        // feature struct is chained; the chain is valid.
+        unsafe {
+            self.instance
+                .get_physical_device_features2(pd, &mut features)
+        };
+        let missing = [
+            (coop_features.cooperative_matrix, "cooperativeMatrix"),
+            (v12.shader_float16, "shaderFloat16"),
+            (v11.storage_buffer16_bit_access, "storageBuffer16BitAccess"),
+            (
+                v11.uniform_and_storage_buffer16_bit_access,
+                "uniformAndStorageBuffer16BitAccess",
+            ),
+            (v12.vulkan_memory_model, "vulkanMemoryModel"),
+            (
+                v12.vulkan_memory_model_device_scope,
+                "vulkanMemoryModelDeviceScope",
+            ),
+        ]
+        .into_iter()
+        .filter(|&(on, _)| on == vk::FALSE)
+        .map(|(_, name)| name)
+        .collect::<Vec<_>>();
+        if !missing.is_empty() {
+            return Some(format!("no {}", missing.join(", ")));
+        }
+        let mut subgroups = vk::PhysicalDeviceSubgroupProperties::default();
+        let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroups);
+        // SAFETY: as above.
+        unsafe {
+            self.instance
+                .get_physical_device_properties2(pd, &mut props2)
+        };
+        if subgroups.subgroup_size != 32 {
+            return Some(format!(
+                "{}-lane subgroups (the kernel takes 32)",
+                subgroups.subgroup_size
+            ));
+        }
+        let loader = ash::khr::cooperative_matrix::Instance::new(&self.entry, &self.instance);
+        // SAFETY: a physical device of this instance, which offers the extension.
+        let shapes = unsafe { loader.get_physical_device_cooperative_matrix_properties(pd) }
+            .unwrap_or_default();
+        let f16 = vk::ComponentTypeKHR::FLOAT16;
+        let f32 = vk::ComponentTypeKHR::FLOAT32;
+        let fits = shapes.iter().any(|p| {
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                && (p.a_type, p.b_type, p.c_type, p.result_type) == (f16, f16, f32, f32)
+                && p.scope == vk::ScopeKHR::SUBGROUP
+        });
+        if !fits {
+            return Some("no 16x16x16 f16 x f16 -> f32 subgroup cooperative matrix".into());
+        }
+        None
+    }
 }
 
 impl Drop for Instance {
@@ -221,6 +299,9 @@ pub(crate) struct Context {
     pub(crate) imports: uvm_alloc::vulkan::ImportCaps,
     /// Whether it imports other devices' timeline semaphores (opaque fds).
     pub(crate) imports_timelines: bool,
+    /// Why the tensor-core GEMM cannot run here (`None`: it can, and the device was created
+    /// with what it needs).
+    pub(crate) tensor_core_gap: Option<String>,
     /// The GPU and driver, as exporters of timelines name the devices that can import them.
     pub(crate) export_target: sync_timeline::vulkan::ExportTarget,
     // Last: the instance outlives the device (destroyed in `Drop` below).
@@ -249,13 +330,14 @@ impl Context {
         let queues = [vk::DeviceQueueCreateInfo::default()
             .queue_family_index(queue_family)
             .queue_priorities(&priorities)];
-        let mut v12 = vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(true);
         // What another engine's buffers and timelines need: external memory (an encoder's
         // output read in place) and external semaphores (waits on its timeline in the queue).
         // SAFETY: a physical device of this instance.
         let offered = unsafe { instance.instance.enumerate_device_extension_properties(pd) }
             .map_err(vk_err("vkEnumerateDeviceExtensionProperties"))?;
-        let extensions: Vec<&'static CStr> = uvm_alloc::vulkan::IMPORT_EXTENSIONS
+        let tensor_core_gap = instance.tensor_core_gap(pd, &offered);
+        let tensor_cores = tensor_core_gap.is_none();
+        let mut extensions: Vec<&'static CStr> = uvm_alloc::vulkan::IMPORT_EXTENSIONS
             .into_iter()
             .chain([ash::khr::external_semaphore_fd::NAME])
             .filter(|want| {
@@ -264,14 +346,33 @@ impl Context {
                     .any(|e| e.extension_name_as_c_str().is_ok_and(|n| n == *want))
             })
             .collect();
+        // The tensor-core GEMM's needs (`Instance::tensor_core_gap`), where all are there.
+        if tensor_cores {
+            extensions.push(ash::khr::cooperative_matrix::NAME);
+        }
+        let mut v11 = vk::PhysicalDeviceVulkan11Features::default()
+            .storage_buffer16_bit_access(tensor_cores)
+            .uniform_and_storage_buffer16_bit_access(tensor_cores);
+        let mut v12 = vk::PhysicalDeviceVulkan12Features::default()
+            .timeline_semaphore(true)
+            .shader_float16(tensor_cores)
+            .vulkan_memory_model(tensor_cores)
+            .vulkan_memory_model_device_scope(tensor_cores);
+        let mut coop =
+            vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
         let extension_ptrs: Vec<*const std::ffi::c_char> =
             extensions.iter().map(|e| e.as_ptr()).collect();
-        let info = vk::DeviceCreateInfo::default()
+        let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queues)
             .enabled_extension_names(&extension_ptrs)
+            .push_next(&mut v11)
             .push_next(&mut v12);
+        if tensor_cores {
+            info = info.push_next(&mut coop);
+        }
         // SAFETY: a physical device of this instance, a valid create info asking for one queue
-        // of a family it has, a feature `Instance::unusable` checked and extensions it offers.
+        // of a family it has, features `Instance::unusable` and `Instance::tensor_core_gap`
+        // checked, and extensions it offers.
         let device = unsafe { instance.instance.create_device(pd, &info, None) }
             .map_err(vk_err("vkCreateDevice"))?;
         // SAFETY: a physical device of this instance.
@@ -295,6 +396,7 @@ impl Context {
             max_workgroups: props.limits.max_compute_work_group_count,
             max_shared_bytes: props.limits.max_compute_shared_memory_size,
             max_storage_range: props.limits.max_storage_buffer_range,
+            tensor_core_gap,
             instance,
         };
         let coherent_local = vk::MemoryPropertyFlags::DEVICE_LOCAL

@@ -127,6 +127,14 @@ pub struct VulkanConfig {
     /// 132, 264, 528 and 1056 on the H200; 0 on a CPU implementation, which runs a few
     /// workgroups at a time anyway (README, "Decoder on the GPU").
     pub gemm_split_groups: Option<u32>,
+    /// Prefill GEMMs on tensor cores (`shaders/linear_gemm_coop.wgsl`: cooperative matrices,
+    /// weights and activations rounded to f16 as they are staged, f32 sums), for every weight
+    /// format but f32, whose policies promise f32 arithmetic. It needs VK_KHR_cooperative_matrix
+    /// with a 16x16x16 f16 -> f32 subgroup shape, f16 shaders, the Vulkan memory model and
+    /// 32-lane subgroups. `None` (the default, unless `NPU_HAL_TENSOR_CORES` is 0 or 1): where
+    /// the device has all of that; `Some(true)` on a device without them fails to open, naming
+    /// what is missing.
+    pub tensor_cores: Option<bool>,
     /// Long batches' attention tiled as flash attention (`shaders/attention_tiled.wgsl`: a
     /// workgroup per 32 rows and head reads each key once) rather than a workgroup per row and
     /// head. `None` (the default, unless `NPU_HAL_TILED_ATTENTION` is 0 or 1): on a GPU, not
@@ -197,6 +205,11 @@ impl Default for VulkanConfig {
             gemv_tall_lanes: env_parse("NPU_HAL_GEMV_TALL_LANES"),
             gemv_tall_rows: env_parse("NPU_HAL_GEMV_TALL_ROWS"),
             gemm_split_groups: env_parse("NPU_HAL_GEMM_SPLIT_GROUPS"),
+            tensor_cores: match std::env::var("NPU_HAL_TENSOR_CORES").as_deref() {
+                Ok("0") => Some(false),
+                Ok("1") => Some(true),
+                _ => None,
+            },
             tiled_attention: match std::env::var("NPU_HAL_TILED_ATTENTION").as_deref() {
                 Ok("0") => Some(false),
                 Ok("1") => Some(true),
@@ -345,6 +358,8 @@ enum Grid {
         lanes: u32,
         /// Rows per lane group of the one-token GEMV (the others take one).
         group_rows: u32,
+        /// Whether the GEMM variant runs on tensor cores (`Kernel::Gemm`'s `tensor_cores`).
+        tensor_cores: bool,
     },
     /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
     LinearRows { selected: bool },
@@ -614,6 +629,8 @@ pub struct VulkanNpu {
     gemv_tall_rows: u32,
     /// [`VulkanConfig::gemm_split_groups`].
     gemm_split_groups: u32,
+    /// [`VulkanConfig::tensor_cores`], resolved against the device.
+    tensor_cores: bool,
     /// Split-K partial sums, by (rows, max rows, slot): shared by the linear layers of that
     /// shape and slot, whose dispatches the hazard tracking orders. Linear layers in a row
     /// (Q, K and V; gate and up), which run side by side, take slots 0, 1, ... so that none
@@ -718,6 +735,17 @@ impl VulkanNpu {
             });
         };
         let ctx = Arc::new(Context::open(instance, pd, adapter)?);
+        let tensor_cores = match (config.tensor_cores, &ctx.tensor_core_gap) {
+            (Some(false), _) => false,
+            (None, gap) => gap.is_none(),
+            (Some(true), None) => true,
+            (Some(true), Some(gap)) => {
+                return Err(Error::Unsupported {
+                    what: "tensor-core GEMMs (VulkanConfig::tensor_cores)",
+                    why: format!("{}: {gap}", ctx.adapter.name),
+                });
+            }
+        };
         let owner: Arc<dyn std::any::Any + Send + Sync> = ctx.clone();
         // SAFETY: the device was created with timeline semaphores and `owner` keeps it alive;
         // every submission that signals either timeline registers the value first (`submit_raw`),
@@ -803,6 +831,7 @@ impl VulkanNpu {
                 GPU_GEMM_SPLIT_GROUPS
             }),
             split_scratch: HashMap::new(),
+            tensor_cores,
             attention_splits: config
                 .attention_splits
                 .unwrap_or(if ctx.adapter.is_cpu() {
@@ -1504,6 +1533,12 @@ impl VulkanNpu {
         Ok(copy)
     }
 
+    /// Whether a prefill GEMM over weights in `format` runs on tensor cores
+    /// ([`VulkanConfig::tensor_cores`]; never for f32 weights).
+    fn gemm_on_tensor_cores(&self, format: WeightFormat) -> bool {
+        self.tensor_cores && format != WeightFormat::F32
+    }
+
     /// A linear op's dispatch, with the row-wise ops `fuse` folded into it.
     fn add_linear(
         &mut self,
@@ -1563,11 +1598,13 @@ impl VulkanNpu {
         let push = push_words(&[r, cols, u32::from(selected), eps.to_bits()]);
         let bufs = [step, codes, scales, x_buf, tensor(y), aux];
         // Every linear kernel has one binding layout: the set serves whichever the shape picks.
+        let tensor_cores = self.gemm_on_tensor_cores(format);
         let kernel = Kernel::Gemm {
             format,
             input: kind,
             accumulate: accumulate.is_some(),
             split_k: false,
+            tensor_cores,
         };
         self.push_dispatch(
             p,
@@ -1590,6 +1627,7 @@ impl VulkanNpu {
                 } else {
                     1
                 },
+                tensor_cores,
             },
             push,
             &bufs,
@@ -1635,6 +1673,7 @@ impl VulkanNpu {
                     input: kind,
                     accumulate: false,
                     split_k: true,
+                    tensor_cores,
                 },
                 &gemm_bufs,
             )?;
@@ -2242,23 +2281,33 @@ impl VulkanNpu {
             // A GEMM with too few tiles to fill the GPU runs split over column ranges, then
             // the sum of the ranges (VulkanConfig::gemm_split_groups).
             let split = match (kernel, split_k) {
-                (Kernel::Gemm { format, input, .. }, Some(sk)) => {
-                    let tiles = groups[0] * groups[1];
-                    let n = split_ranges(tiles, self.gemm_split_groups, sk.max_splits, sk.cols);
-                    (n > 1).then_some((format, input, sk, n))
-                }
-                _ => None,
-            };
-            if let Some((format, input, sk, n)) = split {
-                let gemm = self.pipelines.get(
-                    &self.ctx,
+                (
                     Kernel::Gemm {
                         format,
                         input,
-                        accumulate: false,
-                        split_k: true,
+                        tensor_cores,
+                        ..
                     },
-                )?;
+                    Some(sk),
+                ) => {
+                    let tiles = groups[0] * groups[1];
+                    let n = split_ranges(tiles, self.gemm_split_groups, sk.max_splits, sk.cols);
+                    (n > 1).then_some((
+                        Kernel::Gemm {
+                            format,
+                            input,
+                            accumulate: false,
+                            split_k: true,
+                            tensor_cores,
+                        },
+                        sk,
+                        n,
+                    ))
+                }
+                _ => None,
+            };
+            if let Some((split_gemm, sk, n)) = split {
+                let gemm = self.pipelines.get(&self.ctx, split_gemm)?;
                 let scratch = vec![Resource::Tensor(sk.scratch.0)];
                 // Every Emit call below is sound because `cb` is begun above; pipelines come
                 // from `self.pipelines` and sets from the program's pool, made with the kernel's
@@ -2613,6 +2662,7 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             accumulate,
             lanes,
             group_rows,
+            tensor_cores,
         } => {
             let m = if sel { selected as u32 } else { n };
             let gemv = |tokens, rows| Kernel::Gemv {
@@ -2634,6 +2684,7 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
                         input,
                         accumulate,
                         split_k: false,
+                        tensor_cores,
                     },
                     [rows.div_ceil(GEMM_TILE), m.div_ceil(GEMM_TILE), 1],
                 ),

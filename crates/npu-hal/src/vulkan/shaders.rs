@@ -25,6 +25,8 @@ const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
 const LINEAR_IO: &str = include_str!("shaders/linear_io.wgsl");
 const GEMV: &str = include_str!("shaders/linear_gemv.wgsl");
 const GEMM: &str = include_str!("shaders/linear_gemm.wgsl");
+const GEMM_COOP: &str = include_str!("shaders/linear_gemm_coop.wgsl");
+const GEMM_STAGE: &str = include_str!("shaders/linear_gemm_stage.wgsl");
 const SPLIT_REDUCE: &str = include_str!("shaders/split_reduce.wgsl");
 const EMBED: &str = include_str!("shaders/embed.wgsl");
 const ELEMENTWISE: &str = include_str!("shaders/elementwise.wgsl");
@@ -134,13 +136,15 @@ pub(crate) enum Kernel {
         input: LinearInput,
         accumulate: bool,
     },
-    /// A GEMM tiled 64 rows x 64 tokens (`shaders/linear_gemm.wgsl`); `split_k` stores each
-    /// column range's raw sums for [`Kernel::SplitReduce`] instead of the output.
+    /// A GEMM tiled 64 rows x 64 tokens (`shaders/linear_gemm.wgsl`, or on tensor cores
+    /// `shaders/linear_gemm_coop.wgsl`); `split_k` stores each column range's raw sums for
+    /// [`Kernel::SplitReduce`] instead of the output.
     Gemm {
         format: WeightFormat,
         input: LinearInput,
         accumulate: bool,
         split_k: bool,
+        tensor_cores: bool,
     },
     /// The sum of a split-K GEMM's partial sums, stored or added (`accumulate`) to the output
     /// (`shaders/split_reduce.wgsl`).
@@ -232,7 +236,15 @@ impl Kernel {
 
     /// The WGSL module of this variant.
     pub(crate) fn source(self) -> String {
-        let mut s = String::from(COMMON);
+        let mut s = String::new();
+        // Enable directives come before any declaration.
+        if let Kernel::Gemm {
+            tensor_cores: true, ..
+        } = self
+        {
+            s.push_str("enable f16;\nenable wgpu_cooperative_matrix;\n");
+        }
+        s.push_str(COMMON);
         let weights = |s: &mut String, format: WeightFormat| {
             s.push_str(&format!("const W_FORMAT: u32 = {}u;\n", format.code()));
             // The MX decoder is part of every weight module (its branch is dead for the others,
@@ -267,11 +279,13 @@ impl Kernel {
                 input,
                 accumulate,
                 split_k,
+                tensor_cores,
             } => {
                 s.push_str(&format!("const SPLIT_K: u32 = {}u;\n", u32::from(split_k)));
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
-                s.push_str(GEMM);
+                s.push_str(GEMM_STAGE);
+                s.push_str(if tensor_cores { GEMM_COOP } else { GEMM });
             }
             Kernel::SplitReduce { accumulate } => {
                 s.push_str(&format!(
@@ -450,7 +464,10 @@ pub(crate) fn compile(source: &str) -> Result<Vec<u32>, Error> {
         naga::valid::ValidationFlags::all(),
         naga::valid::Capabilities::IMMEDIATES
             | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
-            | naga::valid::Capabilities::SUBGROUP,
+            | naga::valid::Capabilities::SUBGROUP
+            // The tensor-core GEMM's, which only devices with them are given.
+            | naga::valid::Capabilities::SHADER_FLOAT16
+            | naga::valid::Capabilities::COOPERATIVE_MATRIX,
     )
     .validate(&module)
     .map_err(|e| Error::Shader {
@@ -468,6 +485,9 @@ pub(crate) fn compile(source: &str) -> Result<Vec<u32>, Error> {
         // Every kernel writes its workgroup memory before reading it; zeroing it first costs a
         // store per element, which llvmpipe turns into minutes of compilation.
         zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
+        // No kernel has f16 inputs or outputs (f16 stays in workgroup memory and registers),
+        // so it needs no StorageInputOutput16.
+        use_storage_input_output_16: false,
         ..spv::Options::default()
     };
     let pipeline = spv::PipelineOptions {
@@ -615,12 +635,15 @@ mod tests {
                             accumulate,
                         }));
                     }
-                    kernels.extend([false, true].map(|split_k| Kernel::Gemm {
-                        format,
-                        input,
-                        accumulate,
-                        split_k,
-                    }));
+                    for tensor_cores in [false, true] {
+                        kernels.extend([false, true].map(|split_k| Kernel::Gemm {
+                            format,
+                            input,
+                            accumulate,
+                            split_k,
+                            tensor_cores,
+                        }));
+                    }
                 }
             }
         }

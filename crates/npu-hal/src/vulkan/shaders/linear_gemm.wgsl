@@ -17,14 +17,12 @@ const BN: u32 = 64u;
 // workgroups per core.
 const BK: u32 = 16u;
 const KQ: u32 = BK / 4u;
+const THREADS: u32 = 256u;
 // [k][row / 4] and [k][token / 4]: each element packs four neighbouring rows (tokens).
 var<workgroup> ws: array<vec4<f32>, BK * 16u>;
 var<workgroup> xs: array<vec4<f32>, BK * 16u>;
-// The fused RMSNorm: partial sums, then 1 / rms per token of the tile.
-var<workgroup> sq: array<f32, 256>;
-var<workgroup> inv_s: array<f32, 64>;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(THREADS)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) groups: vec3<u32>,
@@ -37,19 +35,7 @@ fn main(
         return;
     }
     if (IN_MODE == 1u) {
-        // Four invocations per token row, each a quarter of the columns.
-        let r = lid / 4u;
-        var s = 0.0;
-        if (tok0 + r < span.y) {
-            s = sum_squares(span.x + tok0 + r, lid % 4u, 4u);
-        }
-        sq[lid] = s;
-        workgroupBarrier();
-        if (lid < 64u) {
-            let total = sq[4u * lid] + sq[4u * lid + 1u] + sq[4u * lid + 2u] + sq[4u * lid + 3u];
-            inv_s[lid] = 1.0 / sqrt(total / f32(pc.cols) + pc.eps);
-        }
-        workgroupBarrier();
+        tile_inv_rms(tok0, span, lid);
     }
     let tr = lid % 16u;
     let tt = lid / 16u;
@@ -87,35 +73,6 @@ fn main(
             }
         }
     }
-}
-
-// One invocation's share of a step's tile, loaded and not yet decoded: the words behind four
-// weights of a row, and four values of a token's x with their input-stage operand.
-struct Staged {
-    w: vec4<u32>,
-    x: vec4<f32>,
-    a: vec4<f32>,
-}
-
-// Slot `idx` (0 .. 64 KQ - 1) of the step at column k0: row (and token) idx / KQ, columns
-// k0 + 4 (idx % KQ) .. + 3.
-fn stage_load(row0: u32, tok0: u32, span: vec2<u32>, k0: u32, k_hi: u32, idx: u32) -> Staged {
-    let r = idx / KQ;
-    let kq = idx % KQ;
-    var s: Staged;
-    // Past the columns (a last step of a range not a whole BK): zeros.
-    if (k0 + kq * 4u >= k_hi) {
-        return s;
-    }
-    if (row0 + r < pc.rows) {
-        s.w = w4_load(row0 + r, k0 + kq * 4u, pc.cols);
-    }
-    if (tok0 + r < span.y) {
-        let t = span.x + tok0 + r;
-        s.x = x[t * (pc.cols / 4u) + k0 / 4u + kq];
-        s.a = load_aux(t, k0 / 4u + kq);
-    }
-    return s;
 }
 
 // Decodes slot `idx`'s loads into the tiles: each element of `ws` packs four neighbouring
