@@ -705,7 +705,7 @@ fn tensor_core_gemms_match_the_cpu_and_the_simt_gemm() {
             for (storage, norm, residual, rows, cols) in [
                 (Storage::Mx(ElemFormat::Fp4E2M1), true, false, 100, 1120),
                 (Storage::Mx(ElemFormat::Fp8E4M3), false, true, 576, 576),
-                (Storage::Mx(ElemFormat::Fp6E2M3), true, true, 130, 160),
+                (Storage::Mx(ElemFormat::Fp6E2M3), true, true, 132, 160),
                 (Storage::Block(BlockType::Q4_0), true, false, 576, 576),
                 (Storage::Block(BlockType::Q4_1), false, true, 100, 1120),
                 (Storage::Block(BlockType::Q8_0), true, true, 4100, HIDDEN),
@@ -791,10 +791,17 @@ fn block_rotated_mx_weights_match_the_cpu() {
 
 /// The GPU's rotation of a linear layer's input has the bits of the CPU's
 /// (`mx_quant::hadamard::rotate_activations`): read through a rotated identity matrix, whose
-/// products are exact, for a decode row, a short batch and a prefill batch.
+/// products are exact, for a decode row, a short batch and a prefill batch. On the SIMT GEMM:
+/// the tensor-core GEMM rounds its input to f16 (`block_rotated_mx_weights_match_the_cpu`
+/// covers rotated weights there).
 #[test]
 fn the_gpu_rotates_activations_with_the_cpus_bits() {
-    let Some(mut gpu) = gpu() else { return };
+    let Some(mut gpu) = gpu_with(VulkanConfig {
+        tensor_cores: Some(false),
+        ..VulkanConfig::default()
+    }) else {
+        return;
+    };
     let n = 96;
     let mut identity = vec![0f32; n * n];
     for i in 0..n {

@@ -3033,7 +3033,12 @@ impl Device for VulkanNpu {
                 self.ctx.adapter.kind_name()
             ),
             parallelism: 1,
-            isa: "SPIR-V (WGSL via naga)".into(),
+            isa: if self.tensor_cores {
+                "SPIR-V (WGSL via naga; prefill GEMMs on cooperative matrices)"
+            } else {
+                "SPIR-V (WGSL via naga)"
+            }
+            .into(),
         }
     }
 

@@ -15,6 +15,12 @@
 // linear_gemm_stage.wgsl; the module source opens with `enable f16; enable
 // wgpu_cooperative_matrix;`.
 //
+// Every workgroup variable of this module (linear_gemm_stage.wgsl's too) is a whole number of
+// 16-byte vectors. On the H200 a 4-byte variable among them (the token count, as a u32) made
+// every output come from the neighbouring column, through the scratch, and zeroed some columns
+// of the tiles; with it widened to a vec4 every output is right. (Cooperative loads and stores
+// want 16-byte aligned rows, and the driver lays the variables out at their own alignment.)
+//
 // The cooperative loads read 16 rows of 16 f16s from the element they point at, with a stride
 // of LDT vectors; every pointer below is row 0, 16, 32 or 48 of a 64-row tile at an offset of 0
 // or 4 vectors (of KQ = 8), so each load stays inside its buffer.
@@ -33,7 +39,7 @@ var<workgroup> wt: array<vec4<f16>, 2u * TILE>;
 var<workgroup> xt: array<vec4<f16>, 2u * TILE>;
 // Each subgroup's 16 x 16 scratch for its accumulators' output stage.
 var<workgroup> ct: array<f32, 4u * 256u>;
-var<workgroup> tokens_uniform: u32;
+var<workgroup> tokens_uniform: vec4<u32>;
 
 // Decodes slot `idx`'s loads into buffer `buf` of the tiles, rounded to f16.
 fn stage_store_f16(s: Staged, buf: u32, row0: u32, tok0: u32, span: vec2<u32>, idx: u32) {
@@ -55,11 +61,19 @@ fn stage_store_f16(s: Staged, buf: u32, row0: u32, tok0: u32, span: vec2<u32>, i
     xt[at] = vec4<f16>(v);
 }
 
+// Stores `c` row-major at ct[at ..]. A function of its own because naga 30 lowers coopStore
+// without first emitting the expressions its operands are computed from: computed in place
+// (`&y[t0 * pc.rows + r0]` with stride `pc.rows`, tried) the module fails to compile
+// ("Expression is not cached"). Here the pointer's index is an argument, which needs no emitting.
+fn store_scratch(c: coop_mat16x16<f32, C>, at: u32) {
+    coopStoreT(c, &ct[at], 16u);
+}
+
 // The output stage of one accumulator tile (tokens t0.., rows r0..) through the subgroup's
 // scratch: lane l stores row r0 + l % 16 of tokens t0 + l / 16, + 2, .., so 16 lanes store
 // one run of neighbouring rows. Called by the whole workgroup (it holds barriers).
 fn finish(c: coop_mat16x16<f32, C>, sg: u32, lane: u32, t0: u32, r0: u32, span: vec2<u32>, z: u32) {
-    coopStoreT(c, &ct[sg * 256u], 16u);
+    store_scratch(c, sg * 256u);
     workgroupBarrier();
     let row = r0 + lane % 16u;
     for (var j = 0u; j < 8u; j++) {
@@ -91,9 +105,9 @@ fn main(
     // Cooperative operations need uniform control flow, and naga counts a value read from a
     // storage buffer as varying: the token count goes through workgroup memory to be uniform.
     if (lid == 0u) {
-        tokens_uniform = span.y;
+        tokens_uniform = vec4<u32>(span.y);
     }
-    if (tok0 >= workgroupUniformLoad(&tokens_uniform)) {
+    if (tok0 >= workgroupUniformLoad(&tokens_uniform).x) {
         return;
     }
     if (IN_MODE == 1u) {
