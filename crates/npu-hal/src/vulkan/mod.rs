@@ -21,6 +21,10 @@
 //! - **Weights stay in their format**: MX (decoded in the kernels by mx-quant's WGSL library),
 //!   ggml Q4_0/Q4_1/Q8_0 (split into a quant plane and a scale plane, the bits unchanged), and
 //!   dense matrices as f16 or bf16 when every value is exactly one, f32 otherwise.
+//! - **Prefill on tensor cores** where the device has cooperative matrices
+//!   ([`VulkanConfig::tensor_cores`]): long batches' GEMMs decode their weights and run their
+//!   input stage in f32, then stage both as f16 for 16x16x16 cooperative-matrix products with
+//!   f32 sums. f32 weights, and devices without them, take the SIMT GEMM (f32 throughout).
 //! - **KV pages live in device memory**, laid out as kv-paged lays them out; the host's
 //!   [`KvCache`](kv_paged::KvCache) keeps the block tables, which each step copies into the
 //!   step buffer. (The host cache's own pages are not used on this device.)
