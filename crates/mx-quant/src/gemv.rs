@@ -548,21 +548,9 @@ impl Q8Activations {
             .zip(self.q.chunks_exact_mut(BLOCK))
             .zip(self.d.iter_mut().zip(self.sums.iter_mut()))
         {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            if !xb.iter().all(|v| v.is_finite()) {
-                *d = f32::NAN;
-                qb.fill(0);
-                *sum = 0;
-                continue;
-            }
-            *d = amax / 127.0;
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            let mut s = 0;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = round_ties_even_small((v * inv).clamp(-127.0, 127.0)) as i8;
-                s += i32::from(*q);
-            }
-            *sum = s;
+            let xb: &[f32; BLOCK] = xb.try_into().expect("chunks of BLOCK");
+            let qb: &mut [i8; BLOCK] = qb.try_into().expect("chunks of BLOCK");
+            (*d, *sum) = quantize_block_q8(xb, qb);
         }
         Ok(())
     }
@@ -758,8 +746,111 @@ fn round_ties_even_small(x: f32) -> f32 {
     (x + MAGIC) - MAGIC
 }
 
+/// One block of [`Q8Activations`]: `q = round_ties_even(clamp(x * 127 / amax, -127, 127))`,
+/// returning `(amax / 127, sum(q))`, or `(NaN, 0)` with zero codes when a value is not finite.
+/// Written so the compiler vectorizes it (a prefill quantizes every linear layer's input): the
+/// largest magnitude as the largest of the values' bits with the sign cleared (for non-negative
+/// floats the bits order as the values do, and an infinity or NaN has larger bits than any
+/// finite value), and the rounding as the integer in the low bits of `x + 1.5 * 2^23`.
+fn quantize_block_q8(xb: &[f32; BLOCK], qb: &mut [i8; BLOCK]) -> (f32, i32) {
+    const MAGIC: f32 = 12_582_912.0;
+    let amax_bits = xb
+        .iter()
+        .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    if amax_bits >= f32::INFINITY.to_bits() {
+        qb.fill(0);
+        return (f32::NAN, 0);
+    }
+    let amax = f32::from_bits(amax_bits);
+    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    if !inv.is_finite() {
+        // A block of magnitudes under 127 / f32::MAX (about 4e-37): the scaled values are
+        // infinite or NaN, which the definition clamps and rounds its own way.
+        let mut sum = 0i32;
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = round_ties_even_small((v * inv).clamp(-127.0, 127.0)) as i8;
+            sum += i32::from(*q);
+        }
+        return (amax / 127.0, sum);
+    }
+    let mut sum = 0i32;
+    for (q, &v) in qb.iter_mut().zip(xb) {
+        // |v * inv| <= 127 but for rounding, far inside the magic number's exact range.
+        let r = ((v * inv + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32).clamp(-127, 127);
+        *q = r as i8;
+        sum += r;
+    }
+    (amax / 127.0, sum)
+}
+
 #[cfg(test)]
 mod rounding_tests {
+    /// The vectorizable block quantizer gives the scalar definition's codes, scale and sum.
+    #[test]
+    fn block_quantization_matches_its_definition() {
+        let reference = |xb: &[f32; 32]| -> (f32, i32, [i8; 32]) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            if !xb.iter().all(|v| v.is_finite()) {
+                return (f32::NAN, 0, [0; 32]);
+            }
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let q: [i8; 32] = std::array::from_fn(|i| {
+                super::round_ties_even_small((xb[i] * inv).clamp(-127.0, 127.0)) as i8
+            });
+            (amax / 127.0, q.iter().map(|&v| i32::from(v)).sum(), q)
+        };
+        let mut state = 0x9e37_79b9u32;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        let specials = [
+            0.0,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::MAX,
+            -f32::MAX,
+            1.0,
+            -1.0,
+            0.5,
+        ];
+        for case in 0..20_000 {
+            let mut xb: [f32; 32] = std::array::from_fn(|_| {
+                let scale = 10f32.powi((next() % 13) as i32 - 6);
+                (next() as f32 / u32::MAX as f32 * 2.0 - 1.0) * scale
+            });
+            match case % 7 {
+                0 => xb[(next() % 32) as usize] = specials[(next() % 10) as usize],
+                1 => xb = [0.0; 32],
+                4 => {
+                    // Magnitudes so small that 127 / amax is infinite.
+                    xb = [0.0; 32];
+                    xb[(next() % 32) as usize] = 1e-40;
+                    xb[(next() % 32) as usize] = -3e-39;
+                }
+                2 => {
+                    xb[(next() % 32) as usize] = [f32::NAN, f32::INFINITY, -f32::INFINITY][case % 3]
+                }
+                3 => {
+                    // A value whose scaled magnitude lands on a rounding tie.
+                    xb[0] = 127.0;
+                    xb[1] = 0.5;
+                    xb[2] = -2.5;
+                }
+                _ => {}
+            }
+            let mut q = [0i8; 32];
+            let (d, sum) = super::quantize_block_q8(&xb, &mut q);
+            let (want_d, want_sum, want_q) = reference(&xb);
+            assert_eq!(d.to_bits(), want_d.to_bits(), "{xb:?}");
+            assert_eq!((sum, q), (want_sum, want_q), "{xb:?}");
+        }
+    }
+
     #[test]
     fn magic_rounding_matches_round_ties_even() {
         let mut x = -130.0f32;

@@ -64,10 +64,31 @@ struct Scratch {
     rotated: Vec<f32>,
     /// The tensor and rows `rotated` holds the rotation of, while they are unchanged: linear
     /// layers reading one input (Q, K and V) rotate it once. Cleared by every op but a linear
-    /// layer that leaves the tensor alone, and at each submission.
+    /// layer that leaves the tensor alone, and at each submission ([`Scratch::forget_before`]).
     rotated_from: Option<(TensorId, Range<usize>)>,
+    /// The tensor and rows `q8` holds the quantization of (of their rotation, when the flag is
+    /// set), kept and cleared as `rotated_from`: Q, K and V (gate and up) quantize their input
+    /// once.
+    q8_from: Option<(TensorId, Range<usize>, bool)>,
     /// Per-row 8-bit activations for ggml block weights.
     blocks: Vec<crate::ggml::QuantizedActivations>,
+}
+
+impl Scratch {
+    /// Forgets the inputs derived from a tensor `op` may write: all of them, unless it is a
+    /// linear layer writing another tensor. `None`: at a submission's start.
+    fn forget_before(&mut self, op: Option<&Op>) {
+        let keeps = |from: Option<TensorId>| match op {
+            Some(Op::Linear { out, .. }) => from.is_none_or(|t| t != *out),
+            _ => false,
+        };
+        if !keeps(self.rotated_from.as_ref().map(|f| f.0)) {
+            self.rotated_from = None;
+        }
+        if !keeps(self.q8_from.as_ref().map(|f| f.0)) {
+            self.q8_from = None;
+        }
+    }
 }
 
 /// The CPU reference NPU.
@@ -368,6 +389,52 @@ impl CpuNpu {
     }
 }
 
+/// `q8[t]` = the int8 quantization of row `t` of `x` (rows of `cols` values), for `tokens`
+/// rows; a prefill's rows in parallel, one contiguous share per part.
+fn quantize_rows(
+    pool: &WorkerPool,
+    q8: &mut Vec<Q8Activations>,
+    x: &[f32],
+    cols: usize,
+    tokens: usize,
+) -> Result<(), Error> {
+    if q8.len() < tokens {
+        q8.resize_with(tokens, Q8Activations::default);
+    }
+    if tokens == 1 {
+        q8[0].requantize(&x[..cols])?;
+        return Ok(());
+    }
+    let parts = pool.threads();
+    let mut shares: Vec<Mutex<(usize, &mut [Q8Activations])>> = Vec::new();
+    let mut rest = &mut q8[..tokens];
+    for p in 0..parts {
+        let span = share(p, parts, tokens, 1);
+        let (mine, tail) = rest.split_at_mut(span.len());
+        shares.push(Mutex::new((span.start, mine)));
+        rest = tail;
+    }
+    let failure: Mutex<Option<Error>> = Mutex::new(None);
+    pool.run(&|p| {
+        let mut guard = shares[p].lock().unwrap_or_else(|e| e.into_inner());
+        let (first, acts) = &mut *guard;
+        for (i, act) in acts.iter_mut().enumerate() {
+            let t = *first + i;
+            if let Err(e) = act.requantize(&x[t * cols..(t + 1) * cols]) {
+                failure
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e.into());
+                return;
+            }
+        }
+    });
+    match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
 /// `out[t] = W x[t]` for `tokens` rows, split over the pool by row tiles; `x_from` names the
 /// tensor rows `x` holds, so a rotation of them can be reused.
 #[allow(clippy::too_many_arguments)]
@@ -386,6 +453,7 @@ fn linear(
         rounded,
         rotated,
         rotated_from,
+        q8_from,
         blocks,
     } = scratch;
     let (rows, cols) = w.shape();
@@ -420,7 +488,7 @@ fn linear(
                 rotated.extend_from_slice(&x[..tokens * cols]);
                 *rotated_from = None;
                 mx_quant::hadamard::rotate_activations(rotated)?;
-                *rotated_from = Some(x_from);
+                *rotated_from = Some(x_from.clone());
             }
             &rotated[..tokens * cols]
         }
@@ -428,36 +496,11 @@ fn linear(
     };
     match w {
         Weight::Mx(m) if m.supports_q8() => {
-            if q8.len() < tokens {
-                q8.resize_with(tokens, Q8Activations::default);
-            }
-            if tokens == 1 {
-                q8[0].requantize(&x[..cols])?;
-            } else {
-                // Prefill: quantize the tokens in parallel, one contiguous share per part.
-                let parts = pool.threads();
-                let mut shares: Vec<Mutex<(usize, &mut [Q8Activations])>> = Vec::new();
-                let mut rest = &mut q8[..tokens];
-                for p in 0..parts {
-                    let span = share(p, parts, tokens, 1);
-                    let (mine, tail) = rest.split_at_mut(span.len());
-                    shares.push(Mutex::new((span.start, mine)));
-                    rest = tail;
-                }
-                pool.run(&|p| {
-                    let mut guard = shares[p].lock().unwrap_or_else(|e| e.into_inner());
-                    let (first, acts) = &mut *guard;
-                    for (i, act) in acts.iter_mut().enumerate() {
-                        let t = *first + i;
-                        if let Err(e) = act.requantize(&x[t * cols..(t + 1) * cols]) {
-                            fail(e.into());
-                            return;
-                        }
-                    }
-                });
-                if let Some(e) = failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                    return Err(e);
-                }
+            let key = (x_from.0, x_from.1.clone(), m.block_rotation());
+            if q8_from.as_ref() != Some(&key) {
+                *q8_from = None;
+                quantize_rows(pool, q8, x, cols, tokens)?;
+                *q8_from = Some(key);
             }
             let xs: Vec<&Q8Activations> = q8[..tokens].iter().collect();
             pool.run(&|p| {
@@ -618,17 +661,9 @@ impl Device for CpuNpu {
         if let Some((timeline, value)) = wait {
             timeline.wait(value, self.wait_timeout)?;
         }
-        self.scratch.rotated_from = None;
+        self.scratch.forget_before(None);
         for (i, op) in ops.iter().enumerate() {
-            match *op {
-                Op::Linear { out, .. }
-                    if self
-                        .scratch
-                        .rotated_from
-                        .as_ref()
-                        .is_none_or(|(t, _)| *t != out) => {}
-                _ => self.scratch.rotated_from = None,
-            }
+            self.scratch.forget_before(Some(op));
             self.run(i, op, &batch, kv.as_deref_mut(), attention.as_deref_mut())?;
         }
         if let Some((timeline, value)) = signal {
