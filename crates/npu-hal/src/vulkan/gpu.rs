@@ -167,7 +167,8 @@ impl Instance {
     /// when it can. It needs VK_KHR_cooperative_matrix with a 16x16x16 f16 x f16 -> f32
     /// subgroup configuration; f16 arithmetic and 16-bit storage access (naga declares both
     /// for any module with an f16 type); the Vulkan memory model (naga writes cooperative-matrix
-    /// modules in it); and 32-lane subgroups (the kernel's 128 invocations are 4 subgroups).
+    /// modules in it); 32-lane subgroups (the kernel's 128 invocations are 4 subgroups); and
+    /// the workgroup memory it declares.
     pub(crate) fn tensor_core_gap(
         &self,
         pd: vk::PhysicalDevice,
@@ -221,10 +222,17 @@ impl Instance {
             self.instance
                 .get_physical_device_properties2(pd, &mut props2)
         };
+        let shared = props2.properties.limits.max_compute_shared_memory_size;
         if subgroups.subgroup_size != 32 {
             return Some(format!(
                 "{}-lane subgroups (the kernel takes 32)",
                 subgroups.subgroup_size
+            ));
+        }
+        let needed = super::shaders::TENSOR_CORE_GEMM_SHARED_BYTES;
+        if shared < needed {
+            return Some(format!(
+                "{shared} bytes of workgroup memory (the kernel declares {needed})"
             ));
         }
         let loader = ash::khr::cooperative_matrix::Instance::new(&self.entry, &self.instance);

@@ -202,6 +202,13 @@ pub(crate) enum Kernel {
     },
 }
 
+/// Workgroup memory the tensor-core GEMM declares (`shaders/linear_gemm_coop.wgsl`): two
+/// buffers each of the W and x tiles (64 rows of 10 vectors of four f16s), the four subgroups'
+/// 16x16 f32 scratch, the token count (a vec4), and linear_gemm_stage.wgsl's RMSNorm sums
+/// (128 f32s) and 64 inverse norms.
+pub(crate) const TENSOR_CORE_GEMM_SHARED_BYTES: u32 =
+    2 * 2 * 64 * 10 * 8 + 4 * 256 * 4 + 16 + 128 * 4 + 64 * 4;
+
 /// Batch rows a split [`Kernel::Attention`] takes at most (the short-batch bound), which sizes
 /// its counters: one per layer, row and query head.
 pub(crate) const SPLIT_ROWS: u32 = 8;
@@ -599,6 +606,35 @@ impl Pipelines {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tensor-core GEMM's workgroup variables are each a whole number of 16-byte vectors
+    /// (on the H200 a 4-byte one among them shifted the tiles its cooperative loads read), and
+    /// add up to what the device check asks for.
+    #[test]
+    fn tensor_core_gemm_workgroup_memory_is_whole_vectors() {
+        for input in [LinearInput::Plain, LinearInput::Norm, LinearInput::SwiGlu] {
+            let kernel = Kernel::Gemm {
+                format: WeightFormat::Mx(ElemFormat::Fp6E2M3),
+                input,
+                accumulate: false,
+                split_k: false,
+                tensor_cores: true,
+            };
+            let module = naga::front::wgsl::parse_str(&kernel.source()).expect("parses");
+            let mut layouter = naga::proc::Layouter::default();
+            layouter.update(module.to_ctx()).expect("layout");
+            let mut total = 0;
+            for (_, var) in module.global_variables.iter() {
+                if var.space != naga::AddressSpace::WorkGroup {
+                    continue;
+                }
+                let size = layouter[var.ty].size;
+                assert_eq!(size % 16, 0, "{:?} is {size} bytes", var.name);
+                total += size;
+            }
+            assert_eq!(total, TENSOR_CORE_GEMM_SHARED_BYTES, "{input:?}");
+        }
+    }
 
     /// Every variant the backend can ask for parses, validates and compiles.
     #[test]
