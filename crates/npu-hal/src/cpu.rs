@@ -323,14 +323,33 @@ impl CpuNpu {
                 let mut go = ts[out.0 as usize]
                     .buffer
                     .cpu_access(0..len, Access::Write)?;
-                // Row by row: the ggml numerics split each row into whole vectors and a tail.
-                for ((g, u), o) in gg
-                    .typed::<f32>()?
-                    .chunks_exact(width)
-                    .zip(gu.typed::<f32>()?.chunks_exact(width))
-                    .zip(go.typed_mut::<f32>()?.chunks_exact_mut(width))
-                {
-                    kernels::swiglu(g, u, o, numerics);
+                // Row by row (the ggml numerics split each row into whole vectors and a tail), a
+                // prefill's rows in parallel: one contiguous share per part, the same bits.
+                let (g, u) = (gg.typed::<f32>()?, gu.typed::<f32>()?);
+                let out = &mut go.typed_mut::<f32>()?[..n * width];
+                let rows_of = |first: usize, out: &mut [f32]| {
+                    for (i, o) in out.chunks_exact_mut(width).enumerate() {
+                        let at = (first + i) * width..(first + i + 1) * width;
+                        kernels::swiglu(&g[at.clone()], &u[at], o, numerics);
+                    }
+                };
+                if n == 1 {
+                    rows_of(0, out);
+                } else {
+                    let parts = self.pool.threads();
+                    let mut shares: Vec<Mutex<(usize, &mut [f32])>> = Vec::with_capacity(parts);
+                    let mut rest = out;
+                    for p in 0..parts {
+                        let rows = share(p, parts, n, 1);
+                        let (mine, tail) = rest.split_at_mut(rows.len() * width);
+                        shares.push(Mutex::new((rows.start, mine)));
+                        rest = tail;
+                    }
+                    self.pool.run(&|p| {
+                        let mut guard = shares[p].lock().unwrap_or_else(|e| e.into_inner());
+                        let (first, out) = &mut *guard;
+                        rows_of(*first, out);
+                    });
                 }
             }
             Op::Add { acc, x } => {
