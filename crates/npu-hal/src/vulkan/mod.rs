@@ -134,8 +134,9 @@ pub struct VulkanConfig {
     /// Prefill GEMMs on tensor cores (`shaders/linear_gemm_coop.wgsl`: cooperative matrices,
     /// weights and activations rounded to f16 as they are staged, f32 sums), for every weight
     /// format but f32, whose policies promise f32 arithmetic. It needs VK_KHR_cooperative_matrix
-    /// with a 16x16x16 f16 -> f32 subgroup shape, f16 shaders, the Vulkan memory model and
-    /// 32-lane subgroups. `None` (the default, unless `NPU_HAL_TENSOR_CORES` is 0 or 1): where
+    /// with a 16x16x16 f16 -> f32 subgroup shape, f16 shaders, the Vulkan memory model,
+    /// 32-lane subgroups and about 25 KB of workgroup memory. `None` (the default, unless
+    /// `NPU_HAL_TENSOR_CORES` is 0 or 1): where
     /// the device has all of that; `Some(true)` on a device without them fails to open, naming
     /// what is missing.
     pub tensor_cores: Option<bool>,
