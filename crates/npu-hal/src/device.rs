@@ -258,7 +258,13 @@ pub struct Submission<'a> {
 /// [`Device::discard`]) lets it.
 #[derive(Debug)]
 #[must_use = "a held submission stops its device's queue until it is released or discarded"]
-pub struct Held(pub(crate) u64);
+pub struct Held(
+    #[cfg_attr(
+        not(feature = "vulkan"),
+        expect(dead_code, reason = "only the Vulkan backend holds submissions")
+    )]
+    pub(crate) u64,
+);
 
 /// What kind of engine a device is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

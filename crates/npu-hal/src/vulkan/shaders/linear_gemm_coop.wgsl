@@ -29,6 +29,8 @@ const BN: u32 = 64u;
 const BK: u32 = 32u;
 const KQ: u32 = BK / 4u;
 const THREADS: u32 = 128u;
+// Each invocation stages four of a step's 64 KQ slots.
+const_assert 4u * THREADS == 64u * KQ;
 // A staged row: BK f16s as vec4<f16> (cooperative loads count offsets and strides in the
 // pointee type), plus two vectors of padding, so the rows one load reads start on different
 // banks.
@@ -127,22 +129,22 @@ fn main(
     let k_lo = min(pc.cols, wg.z * per);
     let k_hi = min(pc.cols, k_lo + per);
     var s0 = stage_load(row0, tok0, span, k_lo, k_hi, lid);
-    var s1 = stage_load(row0, tok0, span, k_lo, k_hi, lid + 128u);
-    var s2 = stage_load(row0, tok0, span, k_lo, k_hi, lid + 256u);
-    var s3 = stage_load(row0, tok0, span, k_lo, k_hi, lid + 384u);
+    var s1 = stage_load(row0, tok0, span, k_lo, k_hi, lid + THREADS);
+    var s2 = stage_load(row0, tok0, span, k_lo, k_hi, lid + 2u * THREADS);
+    var s3 = stage_load(row0, tok0, span, k_lo, k_hi, lid + 3u * THREADS);
     var buf = 0u;
     for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
         stage_store_f16(s0, buf, row0, tok0, span, lid);
-        stage_store_f16(s1, buf, row0, tok0, span, lid + 128u);
-        stage_store_f16(s2, buf, row0, tok0, span, lid + 256u);
-        stage_store_f16(s3, buf, row0, tok0, span, lid + 384u);
+        stage_store_f16(s1, buf, row0, tok0, span, lid + THREADS);
+        stage_store_f16(s2, buf, row0, tok0, span, lid + 2u * THREADS);
+        stage_store_f16(s3, buf, row0, tok0, span, lid + 3u * THREADS);
         workgroupBarrier();
         // The next step's loads, in flight while this one multiplies (past k_hi: zeros).
         let next = k0 + BK;
         s0 = stage_load(row0, tok0, span, next, k_hi, lid);
-        s1 = stage_load(row0, tok0, span, next, k_hi, lid + 128u);
-        s2 = stage_load(row0, tok0, span, next, k_hi, lid + 256u);
-        s3 = stage_load(row0, tok0, span, next, k_hi, lid + 384u);
+        s1 = stage_load(row0, tok0, span, next, k_hi, lid + THREADS);
+        s2 = stage_load(row0, tok0, span, next, k_hi, lid + 2u * THREADS);
+        s3 = stage_load(row0, tok0, span, next, k_hi, lid + 3u * THREADS);
         let xb = buf * TILE + st * LDT;
         let wb = buf * TILE + sr * LDT;
         for (var kk = 0u; kk < KQ; kk += 4u) {
