@@ -80,21 +80,11 @@ fn main(
 fn stage_store(s: Staged, row0: u32, tok0: u32, span: vec2<u32>, idx: u32) {
     let r = idx / KQ;
     let kq = idx % KQ;
-    var w = vec4<f32>(0.0);
-    if (row0 + r < pc.rows) {
-        w = w4_unpack(s.w);
-    }
+    let w = staged_w(s, row0, r);
     for (var j = 0u; j < 4u; j++) {
         ws[(kq * 4u + j) * 16u + r / 4u][r % 4u] = w[j];
     }
-    var v = vec4<f32>(0.0);
-    if (tok0 + r < span.y) {
-        var inv = 1.0;
-        if (IN_MODE == 1u) {
-            inv = inv_s[r];
-        }
-        v = stage_x(s.x, s.a, inv);
-    }
+    let v = staged_x(s, tok0, span, r);
     for (var j = 0u; j < 4u; j++) {
         xs[(kq * 4u + j) * 16u + r / 4u][r % 4u] = v[j];
     }

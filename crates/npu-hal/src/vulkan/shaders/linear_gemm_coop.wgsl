@@ -47,20 +47,8 @@ var<workgroup> tokens_uniform: vec4<u32>;
 fn stage_store_f16(s: Staged, buf: u32, row0: u32, tok0: u32, span: vec2<u32>, idx: u32) {
     let r = idx / KQ;
     let at = buf * TILE + r * LDT + idx % KQ;
-    var w = vec4<f32>(0.0);
-    if (row0 + r < pc.rows) {
-        w = w4_unpack(s.w);
-    }
-    wt[at] = vec4<f16>(w);
-    var v = vec4<f32>(0.0);
-    if (tok0 + r < span.y) {
-        var inv = 1.0;
-        if (IN_MODE == 1u) {
-            inv = inv_s[r];
-        }
-        v = stage_x(s.x, s.a, inv);
-    }
-    xt[at] = vec4<f16>(v);
+    wt[at] = vec4<f16>(staged_w(s, row0, r));
+    xt[at] = vec4<f16>(staged_x(s, tok0, span, r));
 }
 
 // Stores `c` row-major at ct[at ..]. A function of its own because naga 30 lowers coopStore

@@ -32,6 +32,27 @@ fn stage_load(row0: u32, tok0: u32, span: vec2<u32>, k0: u32, k_hi: u32, idx: u3
     return s;
 }
 
+// Slot row `r`'s four weights, decoded (zeros past the matrix's rows).
+fn staged_w(s: Staged, row0: u32, r: u32) -> vec4<f32> {
+    if (row0 + r < pc.rows) {
+        return w4_unpack(s.w);
+    }
+    return vec4<f32>(0.0);
+}
+
+// Slot row `r`'s four values of x through the input stage (zeros past the batch; the fused
+// RMSNorm's 1 / rms from `inv_s`).
+fn staged_x(s: Staged, tok0: u32, span: vec2<u32>, r: u32) -> vec4<f32> {
+    if (tok0 + r >= span.y) {
+        return vec4<f32>(0.0);
+    }
+    var inv = 1.0;
+    if (IN_MODE == 1u) {
+        inv = inv_s[r];
+    }
+    return stage_x(s.x, s.a, inv);
+}
+
 // The fused RMSNorm (IN_MODE 1): 1 / rms of each of the tile's 64 tokens into `inv_s`,
 // THREADS / 64 invocations per token, each summing its share of the squares. Called by the
 // whole workgroup.
