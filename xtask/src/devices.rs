@@ -140,11 +140,20 @@ fn vulkan_adapters() -> Value {
     let items: Vec<Value> = adapters
         .iter()
         .map(|a| {
+            // What both tensor-core paths take (pipeline's encoder, npu-hal's prefill GEMM):
+            // a 16x16x16 f16 x f16 -> f32 shape and subgroups of exactly 32 lanes, so a device
+            // with other shapes or lane counts reads as without them, not as a failure.
             let info = a.get_info();
             let coop = a
                 .features()
                 .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-                && !a.cooperative_matrix_properties().is_empty();
+                && a.cooperative_matrix_properties().iter().any(|p| {
+                    (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                        && p.ab_type == wgpu::CooperativeScalarType::F16
+                        && p.cr_type == wgpu::CooperativeScalarType::F32
+                })
+                && info.subgroup_min_size == 32
+                && info.subgroup_max_size == 32;
             json!({
                 "name": info.name,
                 "device_type": format!("{:?}", info.device_type),
