@@ -142,7 +142,9 @@ fn vulkan_adapters() -> Value {
         .map(|a| {
             // What both tensor-core paths take (pipeline's encoder, npu-hal's prefill GEMM):
             // a 16x16x16 f16 x f16 -> f32 shape and subgroups of exactly 32 lanes, so a device
-            // with other shapes or lane counts reads as without them, not as a failure.
+            // with other shapes or lane counts reads as without them, not as a failure. The
+            // same test as `pipeline::vision_gpu::coop_features`, which xtask does not link
+            // (it would build the whole pipeline crate for one probe).
             let info = a.get_info();
             let coop = a
                 .features()

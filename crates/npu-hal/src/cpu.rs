@@ -455,7 +455,7 @@ fn quantize_rows(
 }
 
 /// `out[t] = W x[t]` for `tokens` rows, split over the pool by row tiles; `x_from` names the
-/// tensor rows `x` holds, so a rotation of them can be reused.
+/// tensor rows `x` holds, so their rotation and int8 quantization can be reused.
 #[allow(clippy::too_many_arguments)]
 fn linear(
     pool: &WorkerPool,
