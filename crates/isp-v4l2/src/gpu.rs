@@ -257,8 +257,9 @@ pub struct GpuIsp {
     elem: Elem,
     /// The uniform block for the frame shape it was made for.
     uniform: Option<(FrameDesc, GpuParams, wgpu::Buffer)>,
-    /// Bind groups by (frame, output) buffer, newest last; cleared when the uniform changes.
-    binds: std::collections::VecDeque<(wgpu::Buffer, wgpu::Buffer, wgpu::BindGroup)>,
+    /// Bind groups by (frame, output) buffer and output offset, newest last; cleared when the
+    /// uniform changes.
+    binds: std::collections::VecDeque<(wgpu::Buffer, wgpu::Buffer, u64, wgpu::BindGroup)>,
 }
 
 /// Bind groups a [`GpuIsp`] keeps: enough for every pairing of a frame pool with a ring.
@@ -301,6 +302,19 @@ impl GpuIsp {
         }
     }
 
+    /// The same pass with other parameters (another crop of the frame, say, one per tile of
+    /// [`crate::isp::TileGrid`]), sharing this one's compiled pipeline.
+    pub fn with_params(&self, params: Preprocess) -> GpuIsp {
+        GpuIsp {
+            device: self.device.clone(),
+            pipeline: self.pipeline.clone(),
+            params,
+            elem: self.elem,
+            uniform: None,
+            binds: std::collections::VecDeque::new(),
+        }
+    }
+
     /// The preprocessing it runs.
     pub fn params(&self) -> &Preprocess {
         &self.params
@@ -325,6 +339,23 @@ impl GpuIsp {
         input: &wgpu::Buffer,
         output: &wgpu::Buffer,
     ) -> Result<(), Error> {
+        self.record_at(encoder, desc, input, output, 0)
+    }
+
+    /// [`GpuIsp::record`], writing the tensor at byte `offset` of `output` (one image of a
+    /// batch the encoder takes at once, say).
+    ///
+    /// # Errors
+    /// As [`GpuIsp::record`], and [`Error::BadFrame`] when `offset` is not a multiple of the
+    /// device's storage-buffer offset alignment or the tensor does not fit after it.
+    pub fn record_at(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        desc: &FrameDesc,
+        input: &wgpu::Buffer,
+        output: &wgpu::Buffer,
+        offset: u64,
+    ) -> Result<(), Error> {
         use wgpu::util::DeviceExt;
         let short = |what: &str, have: u64, need: u64| Error::BadFrame {
             what: format!("the {what} buffer holds {have} bytes; the pass needs {need}"),
@@ -332,8 +363,19 @@ impl GpuIsp {
         if input.size() < desc.byte_len() as u64 {
             return Err(short("frame", input.size(), desc.byte_len() as u64));
         }
-        if output.size() < self.output_bytes() as u64 {
-            return Err(short("output", output.size(), self.output_bytes() as u64));
+        let bytes = self.output_bytes() as u64;
+        let need = offset.checked_add(bytes).unwrap_or(u64::MAX);
+        if output.size() < need {
+            return Err(short("output", output.size(), need));
+        }
+        let align = u64::from(self.device.limits().min_storage_buffer_offset_alignment);
+        if !offset.is_multiple_of(align) {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "output offset {offset} is not a multiple of the device's storage-buffer \
+                     offset alignment ({align} bytes)"
+                ),
+            });
         }
         if self.uniform.as_ref().is_none_or(|(d, ..)| d != desc) {
             let p = GpuParams::with_elem(desc, &self.params, self.elem)?;
@@ -353,7 +395,7 @@ impl GpuIsp {
         let at = match self
             .binds
             .iter()
-            .position(|(i, o, _)| i == input && o == output)
+            .position(|(i, o, at, _)| i == input && o == output && *at == offset)
         {
             Some(at) => at,
             None => {
@@ -367,7 +409,11 @@ impl GpuIsp {
                         },
                         wgpu::BindGroupEntry {
                             binding: 1,
-                            resource: output.as_entire_binding(),
+                            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                buffer: output,
+                                offset,
+                                size: std::num::NonZeroU64::new(bytes),
+                            }),
                         },
                         wgpu::BindGroupEntry {
                             binding: 2,
@@ -378,7 +424,8 @@ impl GpuIsp {
                 if self.binds.len() == BIND_GROUPS_KEPT {
                     self.binds.pop_front();
                 }
-                self.binds.push_back((input.clone(), output.clone(), bind));
+                self.binds
+                    .push_back((input.clone(), output.clone(), offset, bind));
                 self.binds.len() - 1
             }
         };
@@ -387,7 +434,7 @@ impl GpuIsp {
             timestamp_writes: None,
         });
         pass.set_pipeline(&self.pipeline);
-        pass.set_bind_group(0, &self.binds[at].2, &[]);
+        pass.set_bind_group(0, &self.binds[at].3, &[]);
         let (x, y, z) = params.workgroups();
         pass.dispatch_workgroups(x, y, z);
         Ok(())

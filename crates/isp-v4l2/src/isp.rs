@@ -181,6 +181,131 @@ impl Preprocess {
     }
 }
 
+/// The largest image side SmolVLM's processor resizes to (transformers' `MAX_IMAGE_SIZE`);
+/// [`TileGrid::idefics3`] refuses a longer edge.
+pub const MAX_SPLIT_EDGE: usize = 4096;
+
+/// How SmolVLM's image processor (transformers' `Idefics3ImageProcessor`, image splitting on)
+/// cuts an image into square tiles for the vision encoder: `rows x cols` tiles in row-major
+/// order, then the whole image as a global view. `rows == cols == 0` when the image is not
+/// split (one global view only).
+///
+/// The processor resizes the image twice and then crops; here each tile is the region of the
+/// source those steps map to it ([`TileGrid::crops`]), resampled once from the frame by the
+/// ISP, so no resized copy of the frame is ever made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TileGrid {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl TileGrid {
+    /// The grid the processor gives a `width x height` image with `size.longest_edge =
+    /// longest_edge` and `max_image_size.longest_edge = tile` (SmolVLM: 2048 and 512, so up to
+    /// 4 x 4 tiles), step by step as `Idefics3ImageProcessor` computes it:
+    /// 1. the longest side is resized to `longest_edge` (up or down), the other side
+    ///    `int(longest_edge / aspect)`, rounded up to even (`_resize_output_size_rescale_to_max_len`);
+    /// 2. both sides are rounded up to whole tiles, the shorter one from the aspect ratio of
+    ///    step 1 (`resize_for_vision_encoder`);
+    /// 3. a result larger than one tile is split into `ceil(h / tile) x ceil(w / tile)` tiles
+    ///    (`split_image`).
+    ///
+    /// # Errors
+    /// [`Error::BadFrame`] for an empty image, a zero tile or a `longest_edge` over
+    /// [`MAX_SPLIT_EDGE`].
+    pub fn idefics3(
+        width: usize,
+        height: usize,
+        longest_edge: usize,
+        tile: usize,
+    ) -> Result<TileGrid, Error> {
+        if width == 0 || height == 0 || tile == 0 || longest_edge == 0 {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "splitting a {width}x{height} image into {tile}-pixel tiles at longest edge \
+                     {longest_edge}: every size must be non-zero"
+                ),
+            });
+        }
+        if longest_edge > MAX_SPLIT_EDGE {
+            return Err(Error::BadFrame {
+                what: format!(
+                    "longest edge {longest_edge} for image splitting: SmolVLM's processor takes \
+                     at most {MAX_SPLIT_EDGE}"
+                ),
+            });
+        }
+        // Python's `int(a / b)` on positive floats truncates, as `as usize` does.
+        let (w, h) = (width as f64, height as f64);
+        let aspect = w / h;
+        let (w1, h1) = if width >= height {
+            let h1 = ((longest_edge as f64 / aspect) as usize).max(1);
+            (longest_edge, h1 + h1 % 2)
+        } else {
+            let w1 = ((longest_edge as f64 * aspect) as usize).max(1);
+            (w1 + w1 % 2, longest_edge)
+        };
+        let aspect = w1 as f64 / h1 as f64;
+        let up = |v: usize| v.div_ceil(tile) * tile;
+        let (w2, h2) = if w1 >= h1 {
+            let w2 = up(w1);
+            (w2, up((w2 as f64 / aspect) as usize))
+        } else {
+            let h2 = up(h1);
+            (up((h2 as f64 * aspect) as usize), h2)
+        };
+        Ok(if w2 > tile || h2 > tile {
+            TileGrid {
+                rows: h2 / tile,
+                cols: w2 / tile,
+            }
+        } else {
+            TileGrid { rows: 0, cols: 0 }
+        })
+    }
+
+    /// Tiles, not counting the global view.
+    pub fn tiles(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// Images the encoder takes: the tiles, then the global view.
+    pub fn images(&self) -> usize {
+        self.tiles() + 1
+    }
+
+    /// The source rectangles of the tiles (row-major) and last the global view (`whole`), for
+    /// an image that covers `whole` of its frame. Tile `(r, c)` covers columns
+    /// `x + c * width / cols .. x + (c + 1) * width / cols` and the rows likewise, the source
+    /// region the processor's resized tile shows, to the source pixel. Empty tiles (a grid
+    /// finer than the frame) are refused by [`Preprocess::checked_crop`] when a pass uses
+    /// them.
+    pub fn crops(&self, whole: Crop) -> Vec<Crop> {
+        let edge = |start: usize, len: usize, i: usize, n: usize| start + i * len / n;
+        let mut out = Vec::with_capacity(self.images());
+        for r in 0..self.rows {
+            let (y0, y1) = (
+                edge(whole.y, whole.height, r, self.rows),
+                edge(whole.y, whole.height, r + 1, self.rows),
+            );
+            for c in 0..self.cols {
+                let (x0, x1) = (
+                    edge(whole.x, whole.width, c, self.cols),
+                    edge(whole.x, whole.width, c + 1, self.cols),
+                );
+                out.push(Crop {
+                    x: x0,
+                    y: y0,
+                    width: x1 - x0,
+                    height: y1 - y0,
+                });
+            }
+        }
+        out.push(whole);
+        out
+    }
+}
+
 impl Default for Preprocess {
     /// SmolVLM/SigLIP's input: 512x512, mean 0.5, std 0.5 (values in -1..1), CHW.
     fn default() -> Preprocess {
@@ -685,5 +810,98 @@ impl OutElem for f32 {
 impl OutElem for half::f16 {
     fn from_f32(v: f32) -> half::f16 {
         half::f16::from_f32(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The grids transformers 4.57.6's `Idefics3ImageProcessor` (image splitting on) returns
+    /// as `rows` and `cols`, for images of these sizes at these `size.longest_edge` and
+    /// `max_image_size.longest_edge` (run on zero images of each shape).
+    #[test]
+    fn the_tile_grid_is_the_idefics3_processors() {
+        let cases = [
+            (2048, 512, 1920, 1080, 3, 4),
+            (2048, 512, 640, 480, 3, 4),
+            (2048, 512, 256, 144, 3, 4),
+            (2048, 512, 480, 640, 4, 3),
+            (2048, 512, 512, 512, 4, 4),
+            (2048, 512, 100, 1000, 4, 1),
+            (2048, 512, 3000, 20, 1, 4),
+            (2048, 512, 1281, 721, 3, 4),
+            (512, 128, 1920, 1080, 3, 4),
+            (512, 128, 480, 640, 4, 3),
+            (512, 128, 100, 1000, 4, 1),
+            (1536, 512, 1920, 1080, 2, 3),
+            (1536, 512, 640, 480, 3, 3),
+            (1536, 512, 512, 512, 3, 3),
+            (1536, 512, 100, 1000, 3, 1),
+            (1536, 512, 1281, 721, 2, 3),
+            (4096, 512, 1920, 1080, 5, 8),
+            (4096, 512, 640, 480, 6, 8),
+            (4096, 512, 480, 640, 8, 6),
+            (4096, 512, 3000, 20, 1, 8),
+        ];
+        for (longest, tile, w, h, rows, cols) in cases {
+            assert_eq!(
+                TileGrid::idefics3(w, h, longest, tile).unwrap(),
+                TileGrid { rows, cols },
+                "{w}x{h} at longest edge {longest}, tiles of {tile}"
+            );
+        }
+        // At most one tile: the global view alone.
+        let single = TileGrid::idefics3(1920, 1080, 512, 512).unwrap();
+        assert_eq!(single, TileGrid { rows: 0, cols: 0 });
+        assert_eq!(single.images(), 1);
+        for (w, h, longest, tile) in [(0, 1, 512, 512), (1, 1, 0, 512), (1, 1, 512, 0)] {
+            assert!(TileGrid::idefics3(w, h, longest, tile).is_err());
+        }
+        assert!(TileGrid::idefics3(1920, 1080, MAX_SPLIT_EDGE + 1, 512).is_err());
+    }
+
+    /// The tiles cover the image exactly, without overlap, row-major, and the global view
+    /// comes last.
+    #[test]
+    fn tile_crops_partition_the_image() {
+        let grid = TileGrid { rows: 3, cols: 4 };
+        let whole = Crop {
+            x: 10,
+            y: 7,
+            width: 1901,
+            height: 1063,
+        };
+        let crops = grid.crops(whole);
+        assert_eq!(crops.len(), 13);
+        assert_eq!(crops[12], whole);
+        let mut covered = 0;
+        for (i, c) in crops[..12].iter().enumerate() {
+            let (r, col) = (i / 4, i % 4);
+            if col > 0 {
+                let left = crops[i - 1];
+                assert_eq!(
+                    left.x + left.width,
+                    c.x,
+                    "tile {i} starts where its left ends"
+                );
+                assert_eq!(left.y, c.y);
+            } else {
+                assert_eq!(c.x, whole.x);
+            }
+            if r > 0 {
+                let up = crops[i - 4];
+                assert_eq!(
+                    up.y + up.height,
+                    c.y,
+                    "tile {i} starts where the one above ends"
+                );
+            } else {
+                assert_eq!(c.y, whole.y);
+            }
+            covered += c.width * c.height;
+        }
+        assert_eq!(covered, whole.width * whole.height);
+        assert_eq!(TileGrid { rows: 0, cols: 0 }.crops(whole), [whole]);
     }
 }

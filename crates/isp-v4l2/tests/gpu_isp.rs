@@ -179,3 +179,98 @@ fn the_wgsl_pass_matches_the_cpu_reference_on_every_layout() {
     // 24 f32 combinations and the 18 of them with an even width in f16.
     assert_eq!(checked, 42);
 }
+
+/// SmolVLM's tiles of a frame ([`isp_v4l2::isp::TileGrid`]), each written by its own pass at its
+/// image's offset of one output buffer in one command buffer, are each the CPU reference of
+/// their crop; a misaligned offset is refused by name.
+#[test]
+fn tiles_written_at_their_offsets_match_the_cpu_reference() {
+    use isp_v4l2::isp::TileGrid;
+    let Some(adapter) = adapter() else { return };
+    let (device, queue, caps) = open_wgpu_device(&adapter, &Default::default()).unwrap();
+    let imports = ImportCache::new(&device, caps, 64);
+    let allocator = Allocator::new(AllocatorDesc {
+        backends: caps.importable_backends(),
+        ..AllocatorDesc::default()
+    })
+    .unwrap();
+    let desc = FrameDesc::new(96, 54, PixelFormat::Nv12).unwrap();
+    let frame = allocator.allocate(desc.byte_len()).unwrap();
+    {
+        let mut w = frame.cpu_access(0..frame.len(), Access::Write).unwrap();
+        for (i, b) in w.bytes_mut().unwrap().iter_mut().enumerate() {
+            *b = (i * 7 % 251) as u8;
+        }
+    }
+    let frame = Arc::new(frame);
+    // SAFETY: written above (guard dropped); the device only reads it.
+    let frame_gpu = unsafe { imports.get(&frame) }.unwrap();
+    // 96x54 at longest edge 4 x 32: 4 columns, 3 rows, then the global view.
+    let grid = TileGrid::idefics3(desc.width, desc.height, 128, 32).unwrap();
+    assert_eq!(grid, TileGrid { rows: 3, cols: 4 });
+    let whole = Crop {
+        x: 0,
+        y: 0,
+        width: desc.width,
+        height: desc.height,
+    };
+    let base = Preprocess {
+        width: 32,
+        height: 32,
+        resize: Resize::Bilinear,
+        ..Preprocess::default()
+    };
+    let first = GpuIsp::new(&device, base, Elem::F32);
+    let mut passes: Vec<GpuIsp> = grid
+        .crops(whole)
+        .into_iter()
+        .map(|c| {
+            first.with_params(Preprocess {
+                crop: Some(c),
+                ..base
+            })
+        })
+        .collect();
+    let image = first.output_bytes() as u64;
+    let out = Arc::new(allocator.allocate(image as usize * grid.images()).unwrap());
+    // SAFETY: read on the CPU only after the device poll that waits for the passes.
+    let out_gpu = unsafe { imports.get(&out) }.unwrap();
+    let mut encoder = device.create_command_encoder(&Default::default());
+    for (i, pass) in passes.iter_mut().enumerate() {
+        pass.record_at(&mut encoder, &desc, &frame_gpu, &out_gpu, i as u64 * image)
+            .unwrap();
+    }
+    let err = passes[0]
+        .record_at(&mut encoder, &desc, &frame_gpu, &out_gpu, 4)
+        .unwrap_err();
+    assert!(err.to_string().contains("alignment"), "{err}");
+    let past = passes[0]
+        .record_at(
+            &mut encoder,
+            &desc,
+            &frame_gpu,
+            &out_gpu,
+            image * grid.images() as u64,
+        )
+        .unwrap_err();
+    assert!(past.to_string().contains("output buffer"), "{past}");
+    queue.submit([
+        encoder.finish(),
+        uvm_alloc::vulkan::host_read_barrier(&device).unwrap(),
+    ]);
+    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    let r = out.cpu_access(0..out.len(), Access::Read).unwrap();
+    let got = r.typed::<f32>().unwrap();
+    let f = frame.cpu_access(0..desc.byte_len(), Access::Read).unwrap();
+    let per = image as usize / 4;
+    for (i, pass) in passes.iter().enumerate() {
+        let mut want = vec![0f32; per];
+        preprocess(&desc, f.bytes(), pass.params(), &mut want).unwrap();
+        let worst = got[i * per..(i + 1) * per]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < TOLERANCE, "image {i}: max difference {worst}");
+    }
+}
