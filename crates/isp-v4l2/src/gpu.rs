@@ -364,7 +364,7 @@ impl GpuIsp {
             return Err(short("frame", input.size(), desc.byte_len() as u64));
         }
         let bytes = self.output_bytes() as u64;
-        let need = offset.checked_add(bytes).unwrap_or(u64::MAX);
+        let need = offset.saturating_add(bytes);
         if output.size() < need {
             return Err(short("output", output.size(), need));
         }

@@ -417,7 +417,8 @@ impl Pruning {
 const SUBMIT_ORDER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Input embeddings that replace a run of a sequence's rows (an image encoder's output, read in
-/// place from its unified buffer): rows `start..start + data.len() / hidden`.
+/// place from its unified buffer): rows `start..start + data.len() / hidden`, or, for an image
+/// in pieces with text between them, the rows its [`Splice::runs`] name.
 #[derive(Clone, Copy, Debug)]
 pub struct Splice<'a> {
     /// The image's first row: rows `key_from..start` are the same image's but come with no
@@ -434,6 +435,20 @@ pub struct Splice<'a> {
     /// decoder's own previous one, in the device's queue where the device can
     /// ([`npu_hal::Device::waits_in_queue`]). `None`: complete already.
     pub ready: Option<(&'a dyn Timeline, u64)>,
+    /// Where `data`'s rows go when the image comes in pieces (SmolVLM's tiles, each after its
+    /// own `<row_r_col_c>` tokens): each run takes the next `rows` rows of `data`, in order, at
+    /// sequence rows `start + at ..`; the rows between runs are the tokens' own embeddings.
+    /// Empty: one run, all of `data` from `start`. The whole of `key_from..` the last run's end
+    /// is one image to the prefix cache, text between the runs included.
+    pub runs: &'a [SpliceRun],
+}
+
+/// One piece of a spliced image ([`Splice::runs`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpliceRun {
+    /// The piece's first row, counted from [`Splice::start`].
+    pub at: usize,
+    pub rows: usize,
 }
 
 impl<'a> Splice<'a> {
@@ -445,11 +460,79 @@ impl<'a> Splice<'a> {
             data: npu_hal::EmbeddingData::Host(data),
             key,
             ready: None,
+            runs: &[],
         }
     }
 }
 
 impl Splice<'_> {
+    /// Each run as (its first sequence row, its first row of `data`, rows), in order.
+    fn placed_runs(&self, hidden: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let whole = self.runs.is_empty().then_some(SpliceRun {
+            at: 0,
+            rows: self.data.len() / hidden,
+        });
+        let runs = self.runs.iter().copied().chain(whole);
+        runs.scan(0, move |data_row, r| {
+            let placed = (self.start + r.at, *data_row, r.rows);
+            *data_row += r.rows;
+            Some(placed)
+        })
+    }
+
+    /// One past the last row the splice covers.
+    fn end(&self, hidden: usize) -> usize {
+        self.placed_runs(hidden)
+            .last()
+            .map_or(self.start, |(at, _, rows)| at + rows)
+    }
+
+    /// Why the splice does not fit `tokens` sequence rows of `hidden` values, if it does not:
+    /// whole rows, runs in order without overlap that take exactly the data's rows, inside
+    /// the sequence.
+    fn misfit(&self, tokens: usize, hidden: usize) -> Option<String> {
+        let rows = self.data.len() / hidden;
+        if self.key_from > self.start || !self.data.len().is_multiple_of(hidden) {
+            return Some(format!(
+                "{} spliced embedding values at token {} (image from token {}) are not whole \
+                 rows of {hidden}",
+                self.data.len(),
+                self.start,
+                self.key_from,
+            ));
+        }
+        if !self.runs.is_empty() {
+            let mut next = 0usize;
+            let mut taken = 0usize;
+            for r in self.runs {
+                if r.at < next || r.rows == 0 {
+                    return Some(format!(
+                        "splice runs {:?} are not in order, apart and non-empty",
+                        self.runs
+                    ));
+                }
+                next = r.at.saturating_add(r.rows);
+                taken = taken.saturating_add(r.rows);
+            }
+            if taken != rows {
+                return Some(format!(
+                    "splice runs take {taken} rows but the data holds {rows}"
+                ));
+            }
+        }
+        let end = self
+            .runs
+            .last()
+            .map_or(Some(rows), |r| r.at.checked_add(r.rows))
+            .and_then(|n| n.checked_add(self.start));
+        end.is_none_or(|end| end > tokens).then(|| {
+            format!(
+                "{rows} spliced rows from token {} (runs {:?}) do not fit the {tokens} tokens",
+                self.start, self.runs
+            )
+        })
+    }
+
     /// The id the KV prefix cache hashes for spliced row `row`: outside any vocabulary (the
     /// top bit set) and derived from the key, so rows of different images never match.
     fn cache_id(&self, row: usize) -> u32 {
@@ -948,24 +1031,8 @@ impl Decoder {
         want: Range<usize>,
         on_logits: impl FnMut(usize, &[f32]),
     ) -> Result<(), DecodeError> {
-        if let Some(sp) = splice {
-            let hidden = self.config.hidden;
-            if sp.key_from > sp.start
-                || !sp.data.len().is_multiple_of(hidden)
-                || sp
-                    .start
-                    .checked_add(sp.data.len() / hidden)
-                    .is_none_or(|end| end > tokens.len())
-            {
-                return Err(DecodeError::BadInput(format!(
-                    "{} spliced embedding values at token {} (image from token {}) are not \
-                     whole rows of {hidden} inside the {} tokens",
-                    sp.data.len(),
-                    sp.start,
-                    sp.key_from,
-                    tokens.len()
-                )));
-            }
+        if let Some(why) = splice.and_then(|sp| sp.misfit(tokens.len(), self.config.hidden)) {
+            return Err(DecodeError::BadInput(why));
         }
         let result = self.forward_inner(tokens, splice, want, on_logits);
         if let Err(DecodeError::Device(_) | DecodeError::Kv(_)) = &result {
@@ -987,7 +1054,7 @@ impl Decoder {
             return std::borrow::Cow::Borrowed(tokens);
         };
         let mut ids = tokens.to_vec();
-        let rows = sp.key_from..sp.start + sp.data.len() / hidden;
+        let rows = sp.key_from..sp.end(hidden);
         for (r, id) in rows.clone().zip(&mut ids[rows]) {
             *id = sp.cache_id(r);
         }
@@ -1051,7 +1118,17 @@ impl Decoder {
         let ranks_by_attention = self.pruning.is_some_and(|p| p.policy != PrunePolicy::Sinks);
         let mut ready = splice.and_then(|sp| sp.ready);
         while done < tokens.len() {
-            let chunk_end = (done + max_batch).min(tokens.len());
+            let mut chunk_end = (done + max_batch).min(tokens.len());
+            // A submission takes one run of spliced rows: a chunk that would reach into a
+            // second run ends where that run starts.
+            let mut runs_here = splice
+                .iter()
+                .flat_map(|sp| sp.placed_runs(hidden))
+                .filter(|&(at, _, rows)| at + rows > done && at < chunk_end);
+            let run = runs_here.next();
+            if let Some((second, _, _)) = runs_here.next() {
+                chunk_end = second;
+            }
             let chunk = &tokens[done..chunk_end];
             if let Some(p) = self.pruning {
                 let cached = self.kv.manager().len(self.seq)?;
@@ -1061,15 +1138,15 @@ impl Decoder {
             }
             let appended = self.kv.append(self.seq, &ids[done..chunk_end])?;
             // The spliced rows that fall into this chunk, in chunk coordinates.
-            let embeddings = splice.and_then(|sp| {
-                let end = sp.start + sp.data.len() / hidden;
-                let lo = sp.start.max(done);
-                let hi = end.min(chunk_end);
+            let embeddings = splice.zip(run).and_then(|(sp, (at, data_row, rows))| {
+                let lo = at.max(done);
+                let hi = (at + rows).min(chunk_end);
+                let from = data_row + (lo - at);
                 (lo < hi).then(|| npu_hal::Embeddings {
                     rows: lo - done..hi - done,
                     data: sp
                         .data
-                        .slice((lo - sp.start) * hidden..(hi - sp.start) * hidden)
+                        .slice(from * hidden..(from + hi - lo) * hidden)
                         .expect("forward_spliced checked the rows"),
                 })
             });

@@ -272,6 +272,10 @@ struct RunArgs {
     /// The vision tower's input size (square), if not its native one.
     #[arg(long)]
     image_size: Option<usize>,
+    /// Split each frame as SmolVLM's processor does, at a longest edge of N tower inputs
+    /// (SmolVLM-256M's: 4): up to N x N tiles and the global view, encoded in one submission.
+    #[arg(long, value_name = "N")]
+    tiles: Option<usize>,
     #[arg(long)]
     policy: Option<String>,
     #[arg(long)]
@@ -358,6 +362,7 @@ impl RunArgs {
             depth: self.depth,
             buffers: self.buffers,
             image_size: self.image_size,
+            tiles: self.tiles,
             backpressure: self
                 .backpressure
                 .as_deref()

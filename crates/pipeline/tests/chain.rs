@@ -1372,3 +1372,126 @@ fn a_stream_that_keeps_its_context_stays_within_its_kv_budget() {
         assert!(json.get(key).is_some(), "stats JSON lacks {key}");
     }
 }
+
+/// A frame split into SmolVLM's tiles: the GPU ISP writes every tile and the global view into
+/// one tensor buffer, and the GPU encoder encodes them in one submission, each image's rows
+/// the CPU encoder's output for the CPU ISP's tensor of the same crop.
+#[test]
+fn a_frame_in_tiles_is_encoded_in_one_submission_as_each_tile_alone() {
+    use isp_v4l2::isp::TileGrid;
+    use pipeline::chain::{Completion, GpuContext, GpuEncoder, GpuIsp, IspStage, tile_passes};
+    let _ledger = ledger_lock();
+    let gpu = match GpuContext::open() {
+        Ok(gpu) => gpu,
+        Err(e) if e.to_string().contains("no Vulkan adapter") && !ci() => {
+            eprintln!("\nSKIPPED (no Vulkan adapter): {e}\n");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let cpu = tiny_tower();
+    let s = cpu.config().image_size;
+    let mut source = isp_v4l2::open_source(
+        "pattern:96x64@30",
+        &isp_v4l2::SourceOptions {
+            frame_backends: Some(gpu.caps.importable_backends()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let desc = source.desc();
+    let grid = TileGrid::idefics3(desc.width, desc.height, 2 * s, s).unwrap();
+    assert_eq!(grid, TileGrid { rows: 2, cols: 2 });
+    let base = Preprocess {
+        width: s,
+        height: s,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+        ..Preprocess::default()
+    };
+    let passes = tile_passes(base, grid, &desc);
+    assert_eq!(passes.len(), 5);
+    let mut isp = GpuIsp::with_images(gpu.clone(), passes.clone(), (desc.width, desc.height));
+    let mut encoder = GpuEncoder::with_images(gpu.clone(), &cpu, passes.len()).unwrap();
+    assert_eq!(encoder.images(), 5);
+    let allocator = uvm_alloc::Allocator::new(uvm_alloc::AllocatorDesc {
+        backends: gpu.caps.importable_backends(),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(isp.output_bytes(), 5 * 3 * s * s * 4);
+    let pixels = Arc::new(allocator.allocate(isp.output_bytes()).unwrap());
+    let per_image = encoder.image_tokens() * encoder.text_hidden();
+    let out = Arc::new(allocator.allocate(5 * per_image * 4).unwrap());
+    let frame = source.next_frame().unwrap().unwrap();
+    let pixels_ready = isp.submit(&frame, &pixels).unwrap();
+    let done = encoder.submit(0, &pixels, &pixels_ready, &out).unwrap();
+    assert!(
+        matches!(done, Completion::Gpu { .. }),
+        "one GPU submission for the batch"
+    );
+    done.wait(Duration::from_secs(60)).unwrap();
+    let got = out
+        .cpu_access(0..5 * per_image * 4, uvm_alloc::Access::Read)
+        .unwrap()
+        .typed::<f32>()
+        .unwrap()
+        .to_vec();
+    let bytes = frame
+        .buffer
+        .cpu_access(0..desc.byte_len(), uvm_alloc::Access::Read)
+        .unwrap();
+    for (i, p) in passes.iter().enumerate() {
+        let mut tensor = vec![0f32; 3 * s * s];
+        isp_v4l2::isp::preprocess(&desc, bytes.bytes(), p, &mut tensor).unwrap();
+        let want = cpu.encode(&tensor).unwrap();
+        let err = got[i * per_image..(i + 1) * per_image]
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-3, "image {i} ({:?}) differs by {err}", p.crop);
+    }
+    // The tiles differ from each other (a test that could not tell them apart would pass a
+    // chain that encodes one tile five times).
+    assert_ne!(got[..per_image], got[per_image..2 * per_image]);
+}
+
+/// `pipeline run --tiles 2` on the CPU: every described frame's prompt holds SmolVLM's tiles
+/// and global view, and the run succeeds; with `--skip-similar` it is refused by name.
+#[test]
+fn pipeline_run_splits_frames_into_tiles() {
+    let _ledger = ledger_lock();
+    let dir = tiny_vlm();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let stats = out.join("chain-tiles-stats.json");
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_pipeline"))
+            .args(["run", "--source", "pattern:160x120@30", "--model"])
+            .arg(&dir)
+            .arg("--vlm")
+            .arg(&dir)
+            .args(["--prompt", "Describe the scene.", "--tiles", "2"])
+            .args(["--max-frames", "2", "--max-tokens", "3", "--isp", "cpu"])
+            .args(["--encoder", "cpu", "--policy", "exact-f32", "--stats-json"])
+            .arg(&stats)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let result = run(&[]);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(result.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("tiles: 2 x 2 of 64x64 and the global view, 5 images per frame"),
+        "{stderr}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(v["frames_encoded"], 2);
+    assert!(v["tokens"].as_u64().unwrap() > 0, "{v}");
+    let refused = run(&["--skip-similar", "0.01"]);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("tiles and skip_similar"), "{stderr}");
+}

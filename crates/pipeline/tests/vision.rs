@@ -196,6 +196,151 @@ fn the_full_model_with_spliced_image_embeddings_matches_transformers() {
     assert!(rel_diff(&plain, last) > 1e-3);
 }
 
+/// An image spliced in pieces with text between them (SmolVLM's tiles, [`Splice::runs`]) gives
+/// every position the logits of the same rows spliced piece by piece, one forward each, with
+/// the chunks cut where each piece starts and elsewhere; runs that do not take the data's rows
+/// exactly are refused by name.
+///
+/// [`Splice::runs`]: pipeline::decoder::Splice::runs
+#[test]
+fn an_image_spliced_in_runs_matches_its_pieces_spliced_one_by_one() {
+    use pipeline::decoder::{DecoderOptions, Splice, SpliceRun, WeightPolicy};
+    let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids: Vec<u32> = v["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let image_token = v["image_token_id"].as_u64().map_or(299, |t| t as u32);
+    let first = ids.iter().position(|&t| t == image_token).unwrap();
+    let enc = VisionEncoder::open(&fixture("hf")).unwrap();
+    let image = enc.encode(&floats(&v, "pixel_values")).unwrap();
+    let hidden = 64;
+    let rows = image.len() / hidden;
+    assert!(rows >= 4);
+    // The image's rows in two pieces with two text tokens between them, as a tile's name
+    // stands between tiles.
+    let split = rows / 2;
+    let between = [65u32, 66];
+    let tokens: Vec<u32> = [
+        &ids[..first],
+        &vec![image_token; split][..],
+        &between[..],
+        &vec![image_token; rows - split][..],
+        &ids[first + rows..],
+    ]
+    .concat();
+    let second = first + split + between.len();
+    let options = |max_batch| DecoderOptions {
+        policy: WeightPolicy::parse("exact-f32").unwrap(),
+        ctx: 64,
+        max_batch,
+        max_logit_rows: 4,
+        kv_dtype: kv_paged::PageDtype::F32,
+        ..DecoderOptions::default()
+    };
+    let vocab = 300;
+    let n = tokens.len();
+    // The reference: each piece in its own forward.
+    let (mut decoder, _) = pipeline::llm::open_decoder(&fixture("hf"), options(64), 2).unwrap();
+    let mut want = vec![0f32; n * vocab];
+    decoder
+        .forward_spliced(
+            &tokens[..second],
+            Some(Splice::host(first, &image[..split * hidden], 1)),
+            0..second,
+            |i, l| want[i * vocab..(i + 1) * vocab].copy_from_slice(l),
+        )
+        .unwrap();
+    decoder
+        .forward_spliced(
+            &tokens[second..],
+            Some(Splice::host(0, &image[split * hidden..], 2)),
+            0..n - second,
+            |i, l| want[(second + i) * vocab..(second + i + 1) * vocab].copy_from_slice(l),
+        )
+        .unwrap();
+    let runs = [
+        SpliceRun { at: 0, rows: split },
+        SpliceRun {
+            at: split + between.len(),
+            rows: rows - split,
+        },
+    ];
+    for max_batch in [64, 5] {
+        let (mut decoder, _) =
+            pipeline::llm::open_decoder(&fixture("hf"), options(max_batch), 2).unwrap();
+        let mut got = vec![0f32; n * vocab];
+        decoder
+            .forward_spliced(
+                &tokens,
+                Some(Splice {
+                    runs: &runs,
+                    ..Splice::host(first, &image, 3)
+                }),
+                0..n,
+                |i, l| got[i * vocab..(i + 1) * vocab].copy_from_slice(l),
+            )
+            .unwrap();
+        let rel = rel_diff(&got, &want);
+        assert!(
+            rel < 1e-5,
+            "max_batch {max_batch}: runs differ from the pieces by {rel}"
+        );
+    }
+    // Splicing all rows in one run puts the text tokens' positions in the image: different.
+    let (mut decoder, _) = pipeline::llm::open_decoder(&fixture("hf"), options(64), 2).unwrap();
+    let mut whole = vec![0f32; n * vocab];
+    decoder
+        .forward_spliced(
+            &tokens,
+            Some(Splice::host(first, &image, 4)),
+            0..n,
+            |i, l| whole[i * vocab..(i + 1) * vocab].copy_from_slice(l),
+        )
+        .unwrap();
+    assert!(rel_diff(&whole, &want) > 1e-3);
+    for (bad, why) in [
+        (vec![SpliceRun { at: 0, rows: split }], "take"),
+        (
+            vec![
+                SpliceRun { at: 0, rows: split },
+                SpliceRun {
+                    at: split - 1,
+                    rows: rows - split,
+                },
+            ],
+            "order",
+        ),
+        (
+            vec![
+                SpliceRun { at: 0, rows: split },
+                SpliceRun {
+                    at: n,
+                    rows: rows - split,
+                },
+            ],
+            "fit",
+        ),
+    ] {
+        let (mut decoder, _) = pipeline::llm::open_decoder(&fixture("hf"), options(64), 2).unwrap();
+        let err = decoder
+            .forward_spliced(
+                &tokens,
+                Some(Splice {
+                    runs: &bad,
+                    ..Splice::host(first, &image, 5)
+                }),
+                0..1,
+                |_, _| {},
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains(why), "{bad:?}: {err}");
+    }
+}
+
 /// The tensor-core path (cooperative matrices, f16 weights and activations, f32 accumulation)
 /// against the CPU reference: a tower of 64 patches (attention in one subgroup per workgroup)
 /// and one of 256 (keys split over 4 subgroups), with both GEMM block sizes, and a connector

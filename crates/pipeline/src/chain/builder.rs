@@ -13,6 +13,7 @@
 //! device = "cpu"       # the decoder's npu-hal device: cpu | gpu | accel | auto
 //! every = 30
 //! max_tokens = 32
+//! tiles = 4            # SmolVLM's image splitting: up to 4 x 4 tiles and the global view
 //! [synthetic]          # the tower used when no `vlm` checkpoint is given
 //! image_size = 224
 //! layers = 4
@@ -26,8 +27,8 @@ use npu_hal::sampling::SamplingParams;
 use serde::Deserialize;
 
 use super::{
-    Chain, CpuEncoder, CpuIsp, EncoderStage, GpuContext, GpuEncoder, GpuIsp, IspStage, NpuDecoder,
-    PromptLayout, RunOptions, StageError,
+    Chain, CpuEncoder, CpuIsp, EncoderStage, GpuContext, GpuEncoder, GpuIsp, ImageShape, IspStage,
+    NpuDecoder, PromptLayout, RunOptions, StageError,
 };
 use crate::decoder::{DecoderOptions, WeightPolicy};
 use crate::vision::{VisionConfig, VisionEncoder};
@@ -188,7 +189,16 @@ pub struct ChainSpec {
     /// Run the tower at another square input size than its native one (a multiple of the patch
     /// size); the position grid follows SmolVLM's own bucketing.
     pub image_size: Option<usize>,
+    /// Split each frame as SmolVLM's processor does, at a longest edge of this many tower
+    /// inputs (SmolVLM-256M's processor: 4, 2048 pixels for its 512 tower): up to `tiles x
+    /// tiles` tiles and the global view, encoded in one submission. 1 to [`MAX_TILES`]; unset,
+    /// one image per frame.
+    pub tiles: Option<usize>,
 }
+
+/// The most tiles per side `tiles` takes (SmolVLM's vocabulary names tiles up to
+/// `<row_6_col_6>`; a tokenizer without a grid's names is refused when the prompt is laid out).
+pub const MAX_TILES: usize = 8;
 
 impl ChainSpec {
     /// Reads a TOML chain description.
@@ -239,7 +249,8 @@ impl ChainSpec {
             kv_budget,
             prune,
             prefill_first,
-            image_size
+            image_size,
+            tiles
         );
         if other.isp != Placement::Auto {
             self.isp = other.isp;
@@ -489,15 +500,44 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         layout: Layout::Chw,
     };
 
+    // SmolVLM's image splitting: the tiles of the frame, then the whole frame.
+    let grid = match spec.tiles {
+        None => isp_v4l2::isp::TileGrid { rows: 0, cols: 0 },
+        Some(t) if !(1..=MAX_TILES).contains(&t) => {
+            return Err(format!("tiles {t}: use 1 to {MAX_TILES} tiles per side").into());
+        }
+        Some(_) if spec.skip_similar.is_some() => {
+            return Err(
+                "tiles and skip_similar do not combine: image reuse takes an image in one \
+                 piece"
+                    .into(),
+            );
+        }
+        Some(t) => isp_v4l2::isp::TileGrid::idefics3(desc.width, desc.height, t * size, size)?,
+    };
+    let passes = super::tile_passes(preprocess, grid, &desc);
+    let frame_size = (desc.width, desc.height);
+    let images = passes.len();
+    if spec.tiles.is_some() {
+        notes.push(format!(
+            "tiles: {} x {} of {size}x{size} and the global view, {images} images per frame in \
+             one encode",
+            grid.rows, grid.cols
+        ));
+    }
     let isp: Box<dyn IspStage> = match (&gpu, isp_on_gpu) {
-        (Some(g), true) => Box::new(GpuIsp::new(g.clone(), preprocess)),
-        _ => Box::new(CpuIsp::new(preprocess)),
+        (Some(g), true) => Box::new(GpuIsp::with_images(g.clone(), passes, frame_size)),
+        _ => Box::new(CpuIsp::with_images(passes, frame_size)),
     };
     let encoder: Box<dyn EncoderStage> = match (&gpu, spec.encoder) {
         (Some(g), Placement::Gpu | Placement::Auto) => {
-            Box::new(GpuEncoder::new(g.clone(), &vision)?)
+            Box::new(GpuEncoder::with_images(g.clone(), &vision, images)?)
         }
-        _ => Box::new(CpuEncoder::new(vision)),
+        _ => Box::new(CpuEncoder::with_images(vision, images)),
+    };
+    let shape = ImageShape {
+        grid,
+        tokens: encoder.image_tokens(),
     };
     notes.push(format!(
         "source: {source_spec} ({}x{} {:?}); isp: {}; encoder: {}{}",
@@ -514,7 +554,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
     let layout = PromptLayout::new(
         &tokenizer,
         spec.prompt.as_deref().unwrap_or("Describe the scene."),
-        encoder.image_tokens(),
+        shape,
         spec.chat.unwrap_or(true),
         decoder.config().add_bos,
     )?;
@@ -529,7 +569,7 @@ pub fn build(spec: &ChainSpec, trace: bool) -> Result<Built, StageError> {
         Some(true) => Some(PromptLayout::next_turn(
             &tokenizer,
             spec.prompt.as_deref().unwrap_or("Describe the scene."),
-            encoder.image_tokens(),
+            shape,
             spec.chat.unwrap_or(true),
         )?),
         _ => None,

@@ -57,8 +57,8 @@ type Producer<T> = ring::Producer<T, Arc<UnifiedBuffer>>;
 type Consumer<T> = ring::Consumer<T, Arc<UnifiedBuffer>>;
 pub use stages::{
     Completion, CpuEncoder, CpuIsp, DecoderStage, EncodedImage, EncoderStage, GPU_TIMEOUT,
-    Generation, GpuContext, GpuEncoder, GpuIsp, GpuSpan, IspStage, NpuDecoder, PromptLayout,
-    StageError,
+    Generation, GpuContext, GpuEncoder, GpuIsp, GpuSpan, ImageShape, IspStage, NpuDecoder,
+    PromptLayout, StageError, tile_passes,
 };
 use trace::TraceLog;
 
@@ -298,13 +298,15 @@ pub fn run(
         };
     let pixels_bytes = isp.output_bytes();
     let s = encoder.image_size();
-    if pixels_bytes != 3 * s * s * 4 {
+    let images = encoder.images();
+    if pixels_bytes != images * 3 * s * s * 4 {
         return Err(format!(
-            "the ISP writes {pixels_bytes} bytes but the encoder reads 3 x {s} x {s} f32"
+            "the ISP writes {pixels_bytes} bytes but the encoder reads {images} x 3 x {s} x {s} \
+             f32"
         )
         .into());
     }
-    let embed_len = encoder.image_tokens() * encoder.text_hidden();
+    let embed_len = images * encoder.image_tokens() * encoder.text_hidden();
     let pixel_buffers = buffers(&pixels_allocator, pixels_bytes)?;
     let embed_buffers = buffers(&embed_allocator, embed_len * 4)?;
     // On a ring slot not yet written (zeros), before any frame: nothing of it is counted.

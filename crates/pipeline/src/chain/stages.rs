@@ -9,8 +9,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use isp_v4l2::Frame;
 use isp_v4l2::isp::Preprocess;
+use isp_v4l2::{Frame, FrameDesc};
 use npu_hal::sampling::SamplingParams;
 use uvm_alloc::vulkan::{ImportCache, ImportCaps, host_read_barrier};
 use uvm_alloc::{Access, CopyLedger, UnifiedBuffer};
@@ -84,8 +84,15 @@ pub trait EncoderStage: Send {
     /// The tower's and connector's shape.
     fn config(&self) -> &crate::vision::VisionConfig;
     /// Rows of embeddings per image.
+    /// Embedding rows per image.
     fn image_tokens(&self) -> usize {
         self.config().image_tokens()
+    }
+
+    /// Images per frame (SmolVLM's tiles and global view, encoded together; 1 unless split):
+    /// the input holds that many tensors and the output that many images' rows, back to back.
+    fn images(&self) -> usize {
+        1
     }
     /// Width of each row (the text model's hidden size).
     fn text_hidden(&self) -> usize {
@@ -704,19 +711,71 @@ impl GpuContext {
 /// not yet written in the kernel (`DRM_IOCTL_SYNCOBJ_TIMELINE_WAIT`), then reads it.
 #[derive(Debug)]
 pub struct CpuIsp {
-    params: Preprocess,
+    /// One pass per image the encoder takes (SmolVLM's tiles, then the global view), each
+    /// writing its tensor after the previous one's.
+    images: Vec<Preprocess>,
+    /// The frame size the images' crops were planned for, when there are several.
+    planned: Option<(usize, usize)>,
     frames_ready: Option<Arc<sync_timeline::drm::SyncobjTimeline>>,
     /// Frames it took before they were written (and waited for on the syncobj).
     ahead: u64,
 }
 
 impl CpuIsp {
+    /// One image per frame.
     pub fn new(params: Preprocess) -> CpuIsp {
         CpuIsp {
-            params,
+            images: vec![params],
+            planned: None,
             frames_ready: None,
             ahead: 0,
         }
+    }
+
+    /// Several images per frame, one pass each, their tensors back to back (the tiles of
+    /// [`tile_passes`] for frames of `frame_size`; a frame of another size is refused).
+    pub fn with_images(images: Vec<Preprocess>, frame_size: (usize, usize)) -> CpuIsp {
+        CpuIsp {
+            planned: (images.len() > 1).then_some(frame_size),
+            images,
+            frames_ready: None,
+            ahead: 0,
+        }
+    }
+}
+
+/// The passes for `grid`'s images of frames shaped `desc`: `base` over each tile's crop,
+/// then over the whole frame (the global view), in the order the prompt names them.
+pub fn tile_passes(
+    base: Preprocess,
+    grid: isp_v4l2::isp::TileGrid,
+    desc: &FrameDesc,
+) -> Vec<Preprocess> {
+    let whole = isp_v4l2::isp::Crop {
+        x: 0,
+        y: 0,
+        width: desc.width,
+        height: desc.height,
+    };
+    grid.crops(base.crop.unwrap_or(whole))
+        .into_iter()
+        .map(|crop| Preprocess {
+            crop: Some(crop),
+            ..base
+        })
+        .collect()
+}
+
+/// Refuses a frame whose size differs from the one a tiled ISP planned its crops for.
+fn check_planned(planned: Option<(usize, usize)>, desc: &FrameDesc) -> Result<(), StageError> {
+    match planned {
+        Some((w, h)) if (w, h) != (desc.width, desc.height) => Err(format!(
+            "a {}x{} frame, but the ISP's tiles were planned for {w}x{h} frames (the source \
+             changed size mid-stream)",
+            desc.width, desc.height
+        )
+        .into()),
+        _ => Ok(()),
     }
 }
 
@@ -726,7 +785,7 @@ impl IspStage for CpuIsp {
     }
 
     fn output_bytes(&self) -> usize {
-        3 * self.params.width * self.params.height * 4
+        self.images.iter().map(|p| 3 * p.width * p.height * 4).sum()
     }
 
     fn frames_ready_timeline(
@@ -765,15 +824,16 @@ impl IspStage for CpuIsp {
                 .wait(frame.ready, GPU_TIMEOUT)
                 .map_err(|e| format!("waiting for frame {} on its syncobj: {e}", frame.sequence))?;
         }
+        check_planned(self.planned, &frame.desc)?;
         let len = frame.desc.byte_len();
         let input = frame.buffer.cpu_access(0..len, Access::Read)?;
         let mut output = out.cpu_access(0..self.output_bytes(), Access::Write)?;
-        isp_v4l2::isp::preprocess(
-            &frame.desc,
-            input.bytes(),
-            &self.params,
-            output.typed_mut::<f32>()?,
-        )?;
+        let mut rest = output.typed_mut::<f32>()?;
+        for p in &self.images {
+            let (image, after) = rest.split_at_mut(3 * p.width * p.height);
+            isp_v4l2::isp::preprocess(&frame.desc, input.bytes(), p, image)?;
+            rest = after;
+        }
         Ok(Completion::Done)
     }
 }
@@ -782,7 +842,11 @@ impl IspStage for CpuIsp {
 /// the output tensor are both imported into Vulkan as they are, each once.
 pub struct GpuIsp {
     gpu: GpuContext,
-    pass: isp_v4l2::gpu::GpuIsp,
+    /// One pass per image the encoder takes, each writing its tensor after the previous
+    /// one's, all in one command buffer.
+    passes: Vec<isp_v4l2::gpu::GpuIsp>,
+    /// The frame size the images' crops were planned for, when there are several.
+    planned: Option<(usize, usize)>,
     /// The timeline its source mirrors frame readiness onto (ahead-of-time submission): a
     /// frame not ready yet is waited for in the queue.
     frames_ready: Option<Arc<sync_timeline::vulkan::VulkanTimeline>>,
@@ -794,17 +858,34 @@ impl std::fmt::Debug for GpuIsp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuIsp")
             .field("adapter", &self.gpu.adapter)
-            .field("pass", &self.pass)
+            .field("passes", &self.passes)
             .finish_non_exhaustive()
     }
 }
 
 impl GpuIsp {
+    /// One image per frame.
     pub fn new(gpu: GpuContext, params: Preprocess) -> GpuIsp {
-        let pass = isp_v4l2::gpu::GpuIsp::new(&gpu.device, params, isp_v4l2::gpu::Elem::F32);
+        GpuIsp::with_images(gpu, vec![params], (0, 0))
+    }
+
+    /// Several images per frame, one pass each, sharing one compiled pipeline (the tiles of
+    /// [`tile_passes`] for frames of `frame_size`; a frame of another size is refused).
+    ///
+    /// # Panics
+    /// When `images` is empty.
+    pub fn with_images(
+        gpu: GpuContext,
+        images: Vec<Preprocess>,
+        frame_size: (usize, usize),
+    ) -> GpuIsp {
+        let first = isp_v4l2::gpu::GpuIsp::new(&gpu.device, images[0], isp_v4l2::gpu::Elem::F32);
+        let planned = (images.len() > 1).then_some(frame_size);
+        let passes = images.iter().map(|p| first.with_params(*p)).collect();
         GpuIsp {
             gpu,
-            pass,
+            passes,
+            planned,
             frames_ready: None,
             ahead: 0,
         }
@@ -821,7 +902,7 @@ impl IspStage for GpuIsp {
     }
 
     fn output_bytes(&self) -> usize {
-        self.pass.output_bytes()
+        self.passes.iter().map(|p| p.output_bytes()).sum()
     }
 
     fn gpu(&self) -> Option<&GpuContext> {
@@ -854,9 +935,13 @@ impl IspStage for GpuIsp {
         // encoder, on this queue, or a CPU stage after the completion value) touches it only
         // after the pass.
         let output = unsafe { self.gpu.import(out) }?;
+        check_planned(self.planned, &frame.desc)?;
         let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
-        self.pass
-            .record(&mut encoder, &frame.desc, &input, &output)?;
+        let mut offset = 0;
+        for pass in &mut self.passes {
+            pass.record_at(&mut encoder, &frame.desc, &input, &output, offset)?;
+            offset += pass.output_bytes() as u64;
+        }
         // A frame announced before its capture: the queue waits for its readiness value.
         let wait = match &self.frames_ready {
             Some(t) if sync_timeline::Timeline::value(&**t)? < frame.ready => {
@@ -879,14 +964,22 @@ impl IspStage for GpuIsp {
 #[derive(Debug)]
 pub struct CpuEncoder {
     encoder: VisionEncoder,
+    images: usize,
     /// Times it blocked waiting for a GPU ISP's output.
     host_waits: u64,
 }
 
 impl CpuEncoder {
+    /// One image per frame.
     pub fn new(encoder: VisionEncoder) -> CpuEncoder {
+        CpuEncoder::with_images(encoder, 1)
+    }
+
+    /// `images` images per frame (at least one), encoded one after another.
+    pub fn with_images(encoder: VisionEncoder, images: usize) -> CpuEncoder {
         CpuEncoder {
             encoder,
+            images: images.max(1),
             host_waits: 0,
         }
     }
@@ -905,6 +998,10 @@ impl EncoderStage for CpuEncoder {
         self.host_waits
     }
 
+    fn images(&self) -> usize {
+        self.images
+    }
+
     fn submit(
         &mut self,
         _frame: u64,
@@ -914,14 +1011,22 @@ impl EncoderStage for CpuEncoder {
     ) -> Result<Completion, StageError> {
         self.host_waits += u64::from(pixels_ready.wait(GPU_TIMEOUT)?);
         let s = self.image_size();
-        let input = pixels.cpu_access(0..3 * s * s * 4, Access::Read)?;
-        let result = self.encoder.encode(input.typed::<f32>()?)?;
-        let mut output = out.cpu_access(0..result.len() * 4, Access::Write)?;
-        // The CPU encoder builds its result in a heap vector: moving it into the ring's buffer
-        // is a real copy, and the ledger says so.
-        CopyLedger::global()
-            .stage("encoder-cpu-output")
-            .copy(output.typed_mut::<f32>()?, &result)?;
+        let per_input = 3 * s * s;
+        let per_output = self.image_tokens() * self.text_hidden();
+        let input = pixels.cpu_access(0..per_input * self.images * 4, Access::Read)?;
+        let mut output = out.cpu_access(0..per_output * self.images * 4, Access::Write)?;
+        let (input, output) = (input.typed::<f32>()?, output.typed_mut::<f32>()?);
+        for (image, rows) in input
+            .chunks_exact(per_input)
+            .zip(output.chunks_exact_mut(per_output))
+        {
+            let result = self.encoder.encode(image)?;
+            // The CPU encoder builds its result in a heap vector: moving it into the ring's
+            // buffer is a real copy, and the ledger says so.
+            CopyLedger::global()
+                .stage("encoder-cpu-output")
+                .copy(rows, &result)?;
+        }
         Ok(Completion::Done)
     }
 }
@@ -947,7 +1052,17 @@ impl std::fmt::Debug for GpuEncoder {
 impl GpuEncoder {
     /// Uploads `cpu`'s weights to the GPU.
     pub fn new(gpu: GpuContext, cpu: &VisionEncoder) -> Result<GpuEncoder, StageError> {
-        let encoder = GpuVisionEncoder::with_options(&gpu.device, cpu, gpu.vision_options)?;
+        GpuEncoder::with_images(gpu, cpu, 1)
+    }
+
+    /// Encodes `images` images per frame in one submission
+    /// ([`GpuVisionEncoder::with_batch`]).
+    pub fn with_images(
+        gpu: GpuContext,
+        cpu: &VisionEncoder,
+        images: usize,
+    ) -> Result<GpuEncoder, StageError> {
+        let encoder = GpuVisionEncoder::with_batch(&gpu.device, cpu, gpu.vision_options, images)?;
         Ok(GpuEncoder {
             gpu,
             encoder,
@@ -971,6 +1086,10 @@ impl EncoderStage for GpuEncoder {
 
     fn host_waits(&self) -> u64 {
         self.host_waits
+    }
+
+    fn images(&self) -> usize {
+        self.encoder.batch()
     }
 
     fn gpu(&self) -> Option<&GpuContext> {
@@ -1007,28 +1126,53 @@ impl EncoderStage for GpuEncoder {
 /// Stands for the image in a prompt's text until it is split around it.
 const IMAGE_MARK: &str = "\u{1}IMAGE\u{1}";
 
-/// Where the image goes in the prompt: `before`, then `image_rows` positions whose input rows
-/// are the image embeddings, then `after`.
+/// What the encoder gives the prompt for each frame: the images of `grid` (its tiles, then the
+/// global view; one image when the frame is not split), `tokens` embedding rows each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageShape {
+    pub grid: isp_v4l2::isp::TileGrid,
+    pub tokens: usize,
+}
+
+impl ImageShape {
+    /// One image of `tokens` rows, not split.
+    pub fn single(tokens: usize) -> ImageShape {
+        ImageShape {
+            grid: isp_v4l2::isp::TileGrid { rows: 0, cols: 0 },
+            tokens,
+        }
+    }
+
+    /// Embedding rows the encoder writes per frame.
+    pub fn rows(&self) -> usize {
+        self.grid.images() * self.tokens
+    }
+}
+
+/// Where the image goes in the prompt: `before`, then the image's positions `image`, then
+/// `after`. The encoder's rows replace the positions of `image` that `runs` name (all of them
+/// when `runs` is empty); between the runs of a split image stand the tokens SmolVLM's
+/// processor puts around each tile.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PromptLayout {
     pub before: Vec<u32>,
-    pub image_rows: usize,
-    /// The token id at the image positions (the model's `<image>` token when it has one; any
-    /// in-vocabulary id otherwise, since those rows' embeddings are replaced).
-    pub placeholder: u32,
+    pub image: Vec<u32>,
+    pub runs: Vec<crate::decoder::SpliceRun>,
     pub after: Vec<u32>,
 }
 
 impl PromptLayout {
-    /// Lays out `prompt` with an image of `image_rows` embeddings as SmolVLM's processor does
-    /// for one global image (`<fake_token_around_image><global-img><image>*N
-    /// <fake_token_around_image>` before the text) when the tokenizer has those tokens, or the
-    /// image positions straight before the text otherwise. With `chat`, the user turn goes
-    /// through the model's chat template.
+    /// Lays out `prompt` with an image shaped `shape` as SmolVLM's processor does when the
+    /// tokenizer has its image tokens: before the text, for one image,
+    /// `<fake_token_around_image><global-img><image>*N<fake_token_around_image>`; for a split
+    /// one, each tile as `<fake_token_around_image><row_R_col_C><image>*N`, a newline after
+    /// each row of tiles, then a newline and the global view as for one image. Without those
+    /// tokens the image rows stand straight before the text, all images' rows in one run.
+    /// With `chat`, the user turn goes through the model's chat template.
     pub fn new(
         tokenizer: &Tokenizer,
         prompt: &str,
-        image_rows: usize,
+        shape: ImageShape,
         chat: bool,
         add_bos: bool,
     ) -> Result<PromptLayout, StageError> {
@@ -1037,7 +1181,7 @@ impl PromptLayout {
             (true, Some(_)) => tokenizer.apply_chat_template(&[("user", user.as_str())], true)?,
             _ => user,
         };
-        PromptLayout::from_text(tokenizer, &text, image_rows, add_bos)
+        PromptLayout::from_text(tokenizer, &text, shape, add_bos)
     }
 
     /// The layout of the same question about a later image in one running conversation
@@ -1047,7 +1191,7 @@ impl PromptLayout {
     pub fn next_turn(
         tokenizer: &Tokenizer,
         prompt: &str,
-        image_rows: usize,
+        shape: ImageShape,
         chat: bool,
     ) -> Result<PromptLayout, StageError> {
         const REPLY: &str = "\u{2}REPLY\u{2}";
@@ -1066,48 +1210,111 @@ impl PromptLayout {
             }
             _ => format!("\n{user}"),
         };
-        PromptLayout::from_text(tokenizer, &text, image_rows, false)
+        PromptLayout::from_text(tokenizer, &text, shape, false)
     }
 
     /// `text` with the image mark where the image goes.
     fn from_text(
         tokenizer: &Tokenizer,
         text: &str,
-        image_rows: usize,
+        shape: ImageShape,
         add_bos: bool,
     ) -> Result<PromptLayout, StageError> {
+        const FAKE: &str = "<fake_token_around_image>";
+        const GLOBAL: &str = "<global-img>";
+        const IMAGE: &str = "<image>";
         let (a, b) = text
             .split_once(IMAGE_MARK)
             .ok_or("the chat template dropped the user's message")?;
-        let mut before = tokenizer.encode(a, add_bos)?;
-        let mut after = tokenizer.encode(b, false)?;
         let id = |t: &str| tokenizer.token_to_id(t);
-        let placeholder = match (
-            id("<fake_token_around_image>"),
-            id("<global-img>"),
-            id("<image>"),
-        ) {
-            (Some(fake), Some(global), Some(image)) => {
-                before.extend([fake, global]);
-                after.insert(0, fake);
-                image
-            }
-            (_, _, Some(image)) => image,
-            _ => tokenizer.bos_id().or(tokenizer.eos_id()).unwrap_or(0),
+        let (Some(_), Some(_), Some(image)) = (id(FAKE), id(GLOBAL), id(IMAGE)) else {
+            // No SmolVLM image tokens: the rows straight before the text, as one run.
+            let before = tokenizer.encode(a, add_bos)?;
+            let after = tokenizer.encode(b, false)?;
+            let placeholder = id(IMAGE)
+                .or(tokenizer.bos_id())
+                .or(tokenizer.eos_id())
+                .unwrap_or(0);
+            return Ok(PromptLayout {
+                before,
+                image: vec![placeholder; shape.rows()],
+                runs: Vec::new(),
+                after,
+            });
         };
+        // SmolVLM's processor's text for the image (transformers' `_prompt_split_image` and
+        // `_prompt_single_image`), tokenized with the text around it as the processor's
+        // caller tokenizes the whole prompt.
+        let n = shape.tokens;
+        let images = IMAGE.repeat(n);
+        let mut expanded = String::new();
+        let grid = shape.grid;
+        for r in 1..=grid.rows {
+            for c in 1..=grid.cols {
+                let tile = format!("<row_{r}_col_{c}>");
+                if id(&tile).is_none() {
+                    return Err(format!(
+                        "the tokenizer has no {tile} token for a {}x{} grid of tiles: use \
+                         fewer tiles (the model's vocabulary names the tiles it was trained on)",
+                        grid.rows, grid.cols
+                    )
+                    .into());
+                }
+                expanded.push_str(FAKE);
+                expanded.push_str(&tile);
+                expanded.push_str(&images);
+            }
+            expanded.push('\n');
+        }
+        if grid.tiles() > 0 {
+            expanded.push('\n');
+        }
+        expanded.push_str(FAKE);
+        expanded.push_str(GLOBAL);
+        expanded.push_str(&images);
+        expanded.push_str(FAKE);
+        if a.contains(IMAGE) || b.contains(IMAGE) {
+            return Err(format!(
+                "the prompt's text holds {IMAGE} itself; the image's tokens are placed for it"
+            )
+            .into());
+        }
+        let ids = tokenizer.encode(&format!("{a}{expanded}{b}"), add_bos)?;
+        let first = ids.iter().position(|&t| t == image);
+        let last = ids.iter().rposition(|&t| t == image);
+        let (Some(first), Some(last)) = (first, last) else {
+            return Err(format!("{IMAGE} did not encode to its one id").into());
+        };
+        let mut runs: Vec<crate::decoder::SpliceRun> = Vec::new();
+        for (at, &t) in ids[first..=last].iter().enumerate() {
+            match runs.last_mut() {
+                _ if t != image => {}
+                Some(run) if run.at + run.rows == at => run.rows += 1,
+                _ => runs.push(crate::decoder::SpliceRun { at, rows: 1 }),
+            }
+        }
+        if runs.len() != grid.images() || runs.iter().any(|r| r.rows != n) {
+            return Err(format!(
+                "the prompt's image tokens encoded to runs of {:?} rows, not {} runs of {n}",
+                runs.iter().map(|r| r.rows).collect::<Vec<_>>(),
+                grid.images()
+            )
+            .into());
+        }
+        if runs.len() == 1 {
+            runs.clear();
+        }
         Ok(PromptLayout {
-            before,
-            image_rows,
-            placeholder,
-            after,
+            before: ids[..first].to_vec(),
+            image: ids[first..=last].to_vec(),
+            runs,
+            after: ids[last + 1..].to_vec(),
         })
     }
 
-    /// The whole token sequence and where the image rows start.
+    /// The whole token sequence and where the image starts.
     pub fn tokens(&self) -> (Vec<u32>, usize) {
-        let mut t = self.before.clone();
-        t.extend(std::iter::repeat_n(self.placeholder, self.image_rows));
-        t.extend_from_slice(&self.after);
+        let t = [self.before.as_slice(), &self.image, &self.after].concat();
         (t, self.before.len())
     }
 }
@@ -1244,7 +1451,7 @@ impl DecoderStage for NpuDecoder {
         let continues = match self.conversation.as_mut() {
             Some(c) if start_len > 0 => {
                 let n = &c.next;
-                let turn = c.unfed.len() + n.before.len() + n.image_rows + n.after.len();
+                let turn = c.unfed.len() + n.before.len() + n.image.len() + n.after.len();
                 let fits = start_len + turn + self.max_tokens <= self.decoder.options().ctx;
                 if !fits {
                     c.unfed.clear();
@@ -1254,12 +1461,20 @@ impl DecoderStage for NpuDecoder {
             }
             _ => false,
         };
-        let (tokens, first) = match self.conversation.as_ref().filter(|_| continues) {
+        let (tokens, first, runs) = match self.conversation.as_ref().filter(|_| continues) {
             Some(c) => {
                 let (turn, first) = c.next.tokens();
-                ([c.unfed.as_slice(), &turn].concat(), c.unfed.len() + first)
+                let runs = c.next.runs.as_slice();
+                (
+                    [c.unfed.as_slice(), &turn].concat(),
+                    c.unfed.len() + first,
+                    runs,
+                )
             }
-            None => self.layout.tokens(),
+            None => {
+                let (tokens, first) = self.layout.tokens();
+                (tokens, first, self.layout.runs.as_slice())
+            }
         };
         let hidden = self.decoder.config().hidden;
         // The repetition penalty and the drafts look at text, not at the image placeholders.
@@ -1275,7 +1490,7 @@ impl DecoderStage for NpuDecoder {
                     tail,
                 }),
                 true,
-            ) => {
+            ) if runs.is_empty() => {
                 // The image's pinned pages come from the cache, the rows after them from the
                 // kept tail: nothing of the image is read or prefilled.
                 crate::decoder::Splice {
@@ -1284,7 +1499,11 @@ impl DecoderStage for NpuDecoder {
                     data: npu_hal::EmbeddingData::Host(tail),
                     key: *key,
                     ready: None,
+                    runs: &[],
                 }
+            }
+            (Some(_), true) => {
+                return Err("image reuse takes an image in one piece, not split into tiles".into());
             }
             (_, true) => {
                 return Err(
@@ -1321,6 +1540,7 @@ impl DecoderStage for NpuDecoder {
                         .as_ref()
                         .filter(|_| in_queue)
                         .map(|(t, v)| (&**t as &dyn sync_timeline::Timeline, *v)),
+                    runs,
                 }
             }
         };
@@ -1440,6 +1660,78 @@ impl DecoderStage for NpuDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tiny_smolvlm_tokenizer() -> Tokenizer {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/tiny-smolvlm/tokenizer/tokenizer.json");
+        Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// One image is laid out as before tiles existed: the text, `<fake_token_around_image>
+    /// <global-img>`, the image rows, `<fake_token_around_image>`, the text.
+    #[test]
+    fn one_image_is_laid_out_as_smolvlms_processor_does() {
+        let t = tiny_smolvlm_tokenizer();
+        let id = |s: &str| t.token_to_id(s).unwrap();
+        let layout = PromptLayout::new(&t, "Hi?", ImageShape::single(3), false, true).unwrap();
+        let mut before = t.encode("", true).unwrap();
+        before.extend([id("<fake_token_around_image>"), id("<global-img>")]);
+        assert_eq!(layout.before, before);
+        assert_eq!(layout.image, [id("<image>"); 3]);
+        assert!(layout.runs.is_empty());
+        let mut after = vec![id("<fake_token_around_image>")];
+        after.extend(t.encode("Hi?", false).unwrap());
+        assert_eq!(layout.after, after);
+    }
+
+    /// A frame split 2 x 3: transformers' `_prompt_split_image` text, the tiles row-major with
+    /// their names, a newline after each row, a newline, then the global view; the encoder's
+    /// rows go at the `<image>` runs, in the encoder's order.
+    #[test]
+    fn a_split_frame_is_laid_out_as_smolvlms_processor_does() {
+        let t = tiny_smolvlm_tokenizer();
+        let shape = ImageShape {
+            grid: isp_v4l2::isp::TileGrid { rows: 2, cols: 3 },
+            tokens: 4,
+        };
+        let layout = PromptLayout::new(&t, "Hi?", shape, true, true).unwrap();
+        let image = "<image>".repeat(4);
+        let mut text = String::new();
+        for r in 1..=2 {
+            for c in 1..=3 {
+                text += &format!("<fake_token_around_image><row_{r}_col_{c}>{image}");
+            }
+            text += "\n";
+        }
+        text += &format!("\n<fake_token_around_image><global-img>{image}<fake_token_around_image>");
+        let chat = t
+            .apply_chat_template(&[("user", &format!("{text}Hi?"))], true)
+            .unwrap();
+        let (tokens, first) = layout.tokens();
+        assert_eq!(tokens, t.encode(&chat, true).unwrap());
+        let image_id = t.token_to_id("<image>").unwrap();
+        assert_eq!(tokens[first], image_id);
+        // Between tiles of a row: `<fake><row_r_col_c>` (2 tokens); after a row, "\n" too
+        // (no merges in this vocabulary); before the global view, "\n\n<fake><global-img>".
+        let at: Vec<usize> = layout.runs.iter().map(|r| r.at).collect();
+        assert_eq!(at, [0, 6, 12, 19, 25, 31, 39]);
+        assert!(layout.runs.iter().all(|r| r.rows == 4));
+        assert_eq!(layout.image.len(), 43);
+        assert_eq!(
+            layout.after[0],
+            t.token_to_id("<fake_token_around_image>").unwrap()
+        );
+        // A grid the vocabulary has no names for is refused by name.
+        let big = ImageShape {
+            grid: isp_v4l2::isp::TileGrid { rows: 7, cols: 1 },
+            tokens: 4,
+        };
+        let err = PromptLayout::new(&t, "Hi?", big, true, true).unwrap_err();
+        assert!(err.to_string().contains("<row_7_col_1>"), "{err}");
+        // So is a prompt that holds `<image>` itself.
+        let err = PromptLayout::new(&t, "<image>?", shape, true, true).unwrap_err();
+        assert!(err.to_string().contains("holds <image>"), "{err}");
+    }
 
     fn span(stage: &'static str, frame: u64, value: u64, submitted: Instant) -> GpuSpan {
         GpuSpan {
