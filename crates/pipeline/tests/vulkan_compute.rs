@@ -139,3 +139,63 @@ fn compute_shader_runs_on_vulkan() {
         );
     }
 }
+
+/// `pipeline::cm2`'s host side on any Vulkan device: the passthrough SPIR-V module of the plain
+/// GEMM, its explicit layout and dispatch give `X W^T` within f32 rounding of an f64 reference;
+/// a device without NVIDIA's cooperative matrices 2 reports them absent and refuses their
+/// kernel by name rather than running anything else; shapes outside a contract are refused.
+#[test]
+fn the_cm2_probes_passthrough_gemm_matches_the_cpu() {
+    use pipeline::cm2::{Blocking, Cm2Error, GemmDevice, Kernel, sampled_error};
+    let Some(adapter) = vulkan_adapter() else {
+        let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+        assert!(
+            !ci,
+            "no Vulkan adapter: CI must run the Vulkan path for real"
+        );
+        let _ = writeln!(std::io::stderr(), "\nSKIPPED (no Vulkan adapter)\n");
+        return;
+    };
+    let gpu = GemmDevice::open(&adapter).unwrap();
+    let (m, n, k) = (48u32, 40u32, 72u32);
+    let values = |len: u32, seed: u32| -> Vec<u16> {
+        (0..len)
+            .map(|i| half::f16::from_f32(((i * 37 + seed) % 101) as f32 / 50.0 - 1.0).to_bits())
+            .collect()
+    };
+    let x = values(m * k, 3);
+    let w = values(n * k, 11);
+    let run = gpu.run(Kernel::Plain, &x, &w, (m, n, k), 2, 1).unwrap();
+    let err = sampled_error(
+        &x,
+        &w,
+        &run.y,
+        (m as usize, n as usize, k as usize),
+        usize::MAX,
+    );
+    assert!(err < 1e-5, "plain GEMM off by {err} of the largest output");
+    // A wrong output would not pass: the reference is not all zeros.
+    assert!(run.y.iter().any(|v| v.abs() > 1.0));
+    let blocking = Blocking {
+        m: 64,
+        n: 64,
+        k: 64,
+        workgroup: 128,
+    };
+    if !gpu.support.runs_cm2() {
+        assert!(!gpu.kernels().contains(&Kernel::Cm2(blocking)));
+        let err = gpu
+            .run(Kernel::Cm2(blocking), &x, &w, (m, n, k), 1, 1)
+            .unwrap_err();
+        assert!(matches!(err, Cm2Error::Unavailable { .. }), "{err}");
+    } else {
+        let err = gpu
+            .run(Kernel::Cm2(blocking), &x, &w, (m, n, k), 1, 1)
+            .unwrap_err();
+        assert!(err.to_string().contains("must divide"), "{err}");
+    }
+    let err = gpu
+        .run(Kernel::Plain, &x[1..], &w, (m, n, k), 1, 1)
+        .unwrap_err();
+    assert!(matches!(err, Cm2Error::Shape { .. }), "{err}");
+}
