@@ -10,8 +10,7 @@
 //!   smaller model) for one-batch verification; [`quantize`] converts a model offline (calibrated
 //!   GPTQ, block rotations) into a GGUF file of MX matrices.
 //! - [`vision`] (CPU) and [`vision_gpu`] (WGSL through wgpu): the SigLIP tower and the SmolVLM
-//!   connector; [`cm2`]: a GEMM on NVIDIA's cooperative matrices 2 through SPIR-V passthrough,
-//!   the probe of a faster encoder route (issue 21).
+//!   connector.
 //! - [`chain`]: the stage traits ([`chain::IspStage`], [`chain::EncoderStage`],
 //!   [`chain::DecoderStage`], with isp-v4l2's `FrameSource`), their CPU and GPU implementations,
 //!   and [`chain::run`], which overlaps them on timeline-driven rings of unified buffers and
@@ -32,16 +31,12 @@
 //! GPU stages' imports of ring buffers and frames (`uvm_alloc::vulkan::import_wgpu_buffer`,
 //! whose CPU-guard contract the ring's hand-offs keep), the staged completion signal in
 //! [`chain::GpuContext`], and the token that enables wgpu's experimental cooperative matrices in
-//! [`vision_gpu::device_descriptor`], and [`cm2`]'s raw Vulkan queries, device extension and
-//! passthrough modules.
+//! [`vision_gpu::device_descriptor`].
 
 #![deny(unsafe_code)]
 
 #[cfg(feature = "vision")]
 pub mod chain;
-#[cfg(feature = "vision")]
-#[allow(unsafe_code)]
-pub mod cm2;
 pub mod decoder;
 pub mod grammar;
 pub mod llm;
