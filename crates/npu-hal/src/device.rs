@@ -344,6 +344,20 @@ pub trait Device: Send + std::fmt::Debug {
         check_rows("view_tensor", width, max_rows, &rows, values)?;
         view_copied(self, tensor, rows, scratch, view)
     }
+    /// The index and value of the largest element of row `row` of `tensor` once the writes
+    /// submitted before are done: [`crate::kernels::argmax`] of the row (the first on ties, NaN
+    /// never; `None` when every element is NaN). What greedy decoding takes from the logits. A
+    /// device may answer from maxima it computed while it wrote the row (the Vulkan backend's
+    /// output head does, so the host reads a few kilobytes rather than the vocabulary); the
+    /// default views the row ([`Device::view_tensor`]) and scans it.
+    fn row_argmax(&self, tensor: TensorId, row: usize) -> Result<Option<(usize, f32)>, Error> {
+        let mut best = None;
+        let mut scratch = Vec::new();
+        self.view_tensor(tensor, row..row.saturating_add(1), &mut scratch, &mut |v| {
+            best = crate::kernels::argmax(v);
+        })?;
+        Ok(best)
+    }
     /// Whether [`Device::submit_held`] works here: a queue that waits, without the host, for
     /// a value the host signals later. The default is `false`.
     fn holds(&self) -> bool {
@@ -439,6 +453,9 @@ pub struct DeviceStats {
     pub readback_time: std::time::Duration,
     /// Execution time of the submissions on the device (GPU timestamps), where it has a clock.
     pub device_time: Option<std::time::Duration>,
+    /// [`Device::row_argmax`] calls answered from maxima the device kept as it wrote the row
+    /// (the others scanned the row).
+    pub argmax_from_maxima: u64,
 }
 
 /// The discovery side of the trait family: what devices a backend can open on this machine.

@@ -1356,3 +1356,105 @@ fn a_held_step_runs_on_release_as_a_plain_one() {
         assert!(err.contains("timestamps"), "{err}");
     }
 }
+
+/// `Device::row_argmax` where the output head's GEMV keeps maxima in its readback tensor (one
+/// token, a short batch) and where it keeps none (a batch long enough for the GEMM): the index
+/// and the value's bits of `kernels::argmax` over the row read back, for outputs that repeat in
+/// other workgroups (the first wins), outputs all equal, and rows whose outputs are NaN (never
+/// taken), on tall heads (an output head's GEMV) and a short one; the device's counter shows
+/// which answers came from the maxima.
+#[test]
+fn row_argmax_is_the_argmax_of_the_row() {
+    let cols = 64;
+    // The tall head at this device's defaults, at the GPU defaults (16 lanes, 4 rows a
+    // group), and at a full workgroup of rows; a short head at the default lanes.
+    let heads = [
+        (8200usize, None, None),
+        (8200, Some(16), Some(4)),
+        (8200, Some(8), Some(8)),
+        (520, None, None),
+    ];
+    for (rows, tall_lanes, tall_rows) in heads {
+        let Some(mut gpu) = gpu_with(VulkanConfig {
+            gemv_tall_lanes: tall_lanes,
+            gemv_tall_rows: tall_rows,
+            ..VulkanConfig::default()
+        }) else {
+            return;
+        };
+        let mut rng = Rng(11);
+        let half = rng.matrix(rows / 2, cols, 0.125);
+        let mut nan_rows = rng.matrix(rows, cols, 0.125);
+        for r in (0..rows).step_by(3) {
+            nan_rows[r * cols + 5] = f32::NAN;
+        }
+        let cases = [
+            (
+                "repeated",
+                half.iter().chain(&half).copied().collect::<Vec<_>>(),
+            ),
+            ("all equal", vec![0.01; rows * cols]),
+            ("NaN rows", nan_rows),
+            ("every output NaN", vec![f32::NAN; rows * cols]),
+        ];
+        let long: Vec<u32> = (0..20).map(|i| (i * 7) % VOCAB as u32).collect();
+        for (name, data) in cases {
+            let table = gpu
+                .load_weight(Weight::Dense(
+                    DenseMatrix::new(VOCAB, cols, rng.matrix(VOCAB, cols, 1.0)).expect("shape"),
+                ))
+                .expect("table");
+            let w = gpu
+                .load_weight(Weight::Dense(
+                    DenseMatrix::new(rows, cols, data).expect("shape"),
+                ))
+                .expect("weight");
+            let x = gpu.create_tensor(cols, MAX_ROWS).expect("x");
+            let y = gpu.create_readback_tensor(rows, MAX_ROWS).expect("y");
+            let ops = [
+                Op::Embed { table, out: x },
+                Op::Linear {
+                    weight: w,
+                    x,
+                    out: y,
+                    rows: Rows::All,
+                },
+            ];
+            for tokens in [&[5u32][..], &[5, 17, 60], &long] {
+                submit_without_cache(&mut gpu, &ops, tokens).expect("submit");
+                let before = gpu.stats().argmax_from_maxima;
+                let mut row = vec![0f32; rows];
+                for t in 0..tokens.len() {
+                    gpu.read_tensor(y, t..t + 1, &mut row).expect("read");
+                    let want = npu_hal::kernels::argmax(&row).map(|(i, v)| (i, v.to_bits()));
+                    let got = gpu.row_argmax(y, t).expect("row_argmax");
+                    assert_eq!(
+                        got.map(|(i, v)| (i, v.to_bits())),
+                        want,
+                        "{name}, {rows} rows ({tall_lanes:?} lanes, {tall_rows:?} rows a group), \
+                         {} tokens, row {t}",
+                        tokens.len()
+                    );
+                }
+                // The GEMV shapes answer from the maxima; the GEMM's leaves none.
+                let from_maxima = gpu.stats().argmax_from_maxima - before;
+                let expected = if tokens.len() <= 8 { tokens.len() } else { 0 };
+                assert_eq!(
+                    from_maxima as usize,
+                    expected,
+                    "{name}, {rows} rows, {} tokens: answers from maxima",
+                    tokens.len()
+                );
+            }
+            // Rows past the last run's are scanned, not taken from older maxima.
+            submit_without_cache(&mut gpu, &ops, &[9]).expect("submit");
+            let before = gpu.stats().argmax_from_maxima;
+            gpu.row_argmax(y, 2).expect("row_argmax");
+            assert_eq!(
+                gpu.stats().argmax_from_maxima,
+                before,
+                "{name}: a stale row"
+            );
+        }
+    }
+}

@@ -320,6 +320,52 @@ pub struct LoadReport {
     pub numerics_note: Option<String>,
 }
 
+/// One decode step's logits, as [`Decoder::decode_ahead`] shows them to its `pick`.
+#[derive(Clone, Copy)]
+pub struct Logits<'a> {
+    values: &'a [f32],
+    /// The row of the device tensor they were read from, for [`Logits::argmax`].
+    on_device: Option<(&'a dyn Device, TensorId, usize)>,
+}
+
+impl<'a> Logits<'a> {
+    /// Logits with no device tensor behind them: [`Logits::argmax`] scans them.
+    pub fn scanned(values: &'a [f32]) -> Logits<'a> {
+        Logits {
+            values,
+            on_device: None,
+        }
+    }
+
+    /// One value per vocabulary entry.
+    pub fn values(&self) -> &'a [f32] {
+        self.values
+    }
+
+    /// [`npu_hal::kernels::argmax`] of the values (the first on ties, NaN never): what greedy
+    /// decoding picks. Where the device kept maxima as it wrote them
+    /// ([`npu_hal::Device::row_argmax`]: the GPU's output head) the host reads those rather
+    /// than the vocabulary; a device that cannot answer leaves it to a scan of the values,
+    /// which are those same values.
+    pub fn argmax(&self) -> Option<(usize, f32)> {
+        if let Some((device, tensor, row)) = self.on_device
+            && let Ok(best) = device.row_argmax(tensor, row)
+        {
+            return best;
+        }
+        npu_hal::kernels::argmax(self.values)
+    }
+}
+
+impl std::fmt::Debug for Logits<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Logits")
+            .field("len", &self.values.len())
+            .field("on_device", &self.on_device.is_some())
+            .finish()
+    }
+}
+
 /// A loaded model on a device, with its KV cache and one sequence.
 #[derive(Debug)]
 pub struct Decoder {
@@ -1363,8 +1409,9 @@ impl Decoder {
     }
 
     /// Decodes up to `steps` tokens from `first`, one at a time: `pick` sees each step's
-    /// logits (in place where the device allows) and returns the token to feed next, or `None`
-    /// to stop. Returns the steps run (logits shown to `pick`).
+    /// logits (in place where the device allows; [`Logits::argmax`] for greedy decoding) and
+    /// returns the token to feed next, or `None` to stop. Returns the steps run (logits shown
+    /// to `pick`).
     ///
     /// Where the device holds submissions ([`npu_hal::Device::submit_held`]; the GPU), each
     /// step is queued before the previous step's logits are read, and released with its token
@@ -1377,14 +1424,14 @@ impl Decoder {
         &mut self,
         first: u32,
         steps: usize,
-        mut pick: impl FnMut(&[f32]) -> Option<u32>,
+        mut pick: impl FnMut(&Logits<'_>) -> Option<u32>,
     ) -> Result<usize, DecodeError> {
         if steps == 0 {
             return Ok(0);
         }
         // The first step the plain way (it may start a fresh sequence from the prefix cache).
         let mut next = None;
-        self.forward(&[first], 0..1, |_, l| next = pick(l))?;
+        self.forward(&[first], 0..1, |_, l| next = pick(&Logits::scanned(l)))?;
         let ahead = self.device.holds() && self.pruning.is_none();
         let mut done = 1;
         while done < steps {
@@ -1392,7 +1439,7 @@ impl Decoder {
                 return Ok(done);
             };
             if !ahead {
-                self.forward(&[token], 0..1, |_, l| next = pick(l))?;
+                self.forward(&[token], 0..1, |_, l| next = pick(&Logits::scanned(l)))?;
                 done += 1;
                 continue;
             }
@@ -1412,7 +1459,7 @@ impl Decoder {
         &mut self,
         token: u32,
         steps: usize,
-        pick: &mut impl FnMut(&[f32]) -> Option<u32>,
+        pick: &mut impl FnMut(&Logits<'_>) -> Option<u32>,
     ) -> Result<usize, DecodeError> {
         let vocab = self.config.vocab_size;
         if token as usize >= vocab {
@@ -1440,9 +1487,13 @@ impl Decoder {
                 None
             };
             let mut next = None;
-            let viewed = self
-                .device
-                .view_tensor(self.logits, 0..1, &mut logits, &mut |l| next = pick(l));
+            let (device, tensor): (&dyn Device, _) = (&*self.device, self.logits);
+            let viewed = device.view_tensor(tensor, 0..1, &mut logits, &mut |l| {
+                next = pick(&Logits {
+                    values: l,
+                    on_device: Some((device, tensor, 0)),
+                });
+            });
             done += 1;
             let Some(held) = queued else {
                 break match (viewed, next) {

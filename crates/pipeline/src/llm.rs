@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use npu_hal::sampling::{Sampler, SamplingParams};
+use npu_hal::sampling::{Sampler, SamplingError, SamplingParams};
 use npu_hal::{CpuConfig, CpuNpu};
 
 use crate::decoder::{DecodeError, Decoder, DecoderOptions, Splice};
@@ -417,7 +417,7 @@ fn grammar_error(e: crate::grammar::GrammarError) -> DecodeError {
     DecodeError::Sampling(e.to_string())
 }
 
-fn sampling_error(e: npu_hal::sampling::SamplingError) -> DecodeError {
+fn sampling_error(e: SamplingError) -> DecodeError {
     DecodeError::Sampling(e.to_string())
 }
 
@@ -510,23 +510,43 @@ pub fn generate_from(
         speculate(decoder, &mut reply, &mut sampler, &mut rows, speculation)?;
     } else {
         // One token a step: each step is queued while the one before runs, where the device
-        // holds submissions (`Decoder::decode_ahead`). `take` samples one row of logits and
-        // gives the token to feed next while the reply goes on.
-        let mut take = |logits: &mut [f32]| -> Result<Option<u32>, DecodeError> {
-            reply.mask(logits)?;
-            let token = sampler
-                .sample(logits, &reply.history)
-                .map_err(sampling_error)?;
-            Ok((reply.emit(token)? == Emitted::More).then_some(token))
-        };
-        if let Some(token) = take(&mut rows[..vocab])? {
+        // holds submissions (`Decoder::decode_ahead`). `take` samples one row of logits, or
+        // takes the token `picked` for it, and gives the token to feed next while the reply
+        // goes on. Greedy decoding with nothing to change the logits first (no grammar, no
+        // repetition penalty) picks `Logits::argmax`, which the GPU answers from its head's
+        // maxima, so the row is neither copied nor scanned.
+        let params = sampler.params();
+        let plain_greedy =
+            grammar.is_none() && params.temperature == 0.0 && params.repetition_penalty == 1.0;
+        let mut take =
+            |logits: &mut [f32], picked: Option<u32>| -> Result<Option<u32>, DecodeError> {
+                let token = match picked {
+                    Some(token) => token,
+                    None => {
+                        reply.mask(logits)?;
+                        sampler
+                            .sample(logits, &reply.history)
+                            .map_err(sampling_error)?
+                    }
+                };
+                Ok((reply.emit(token)? == Emitted::More).then_some(token))
+            };
+        if let Some(token) = take(&mut rows[..vocab], None)? {
             let mut failed = None;
             // `take` has one token out (the reply goes on only below `max_tokens`); each step
             // is a decoder pass after the prompt's.
             let steps = decoder.decode_ahead(token, max_tokens - 1, |l| {
-                rows.clear();
-                rows.extend_from_slice(l);
-                take(&mut rows).unwrap_or_else(|e| {
+                let taken = if plain_greedy {
+                    match l.argmax() {
+                        Some((i, _)) => take(&mut [], Some(i as u32)),
+                        None => Err(sampling_error(SamplingError::NoCandidates)),
+                    }
+                } else {
+                    rows.clear();
+                    rows.extend_from_slice(l.values());
+                    take(&mut rows, None)
+                };
+                taken.unwrap_or_else(|e| {
                     failed = Some(e);
                     None
                 })
@@ -734,6 +754,9 @@ pub struct TokenSplit {
     pub sampling_us: f64,
     /// Times per token the host blocked on the device.
     pub host_waits: f64,
+    /// Share of the tokens whose argmax came from maxima the device kept as it wrote the
+    /// logits ([`npu_hal::Device::row_argmax`]) rather than from a scan of the vocabulary.
+    pub argmax_from_maxima: f64,
 }
 
 /// The device counters' growth over the timed parts of a bench only (not its untimed
@@ -744,6 +767,7 @@ struct Counted {
     submit: Duration,
     readback: Duration,
     host_waits: u64,
+    argmax_from_maxima: u64,
 }
 
 impl Counted {
@@ -755,6 +779,7 @@ impl Counted {
         self.submit += b.submit_time - a.submit_time;
         self.readback += b.readback_time - a.readback_time;
         self.host_waits += b.host_waits - a.host_waits;
+        self.argmax_from_maxima += b.argmax_from_maxima - a.argmax_from_maxima;
     }
 }
 
@@ -768,6 +793,7 @@ impl TokenSplit {
             readback_us: per(c.readback),
             sampling_us: per(sampling),
             host_waits: c.host_waits as f64 / tokens.max(1) as f64,
+            argmax_from_maxima: c.argmax_from_maxima as f64 / tokens.max(1) as f64,
         }
     }
 }
@@ -848,7 +874,7 @@ pub fn bench(
             // one before runs where the device allows it.
             decoder.decode_ahead(next, n_gen, |logits| {
                 let s = Instant::now();
-                next = npu_hal::kernels::argmax(logits).map_or(0, |(i, _)| i as u32);
+                next = logits.argmax().map_or(0, |(i, _)| i as u32);
                 picking += s.elapsed();
                 Some(next)
             })?;

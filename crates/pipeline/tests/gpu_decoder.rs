@@ -205,13 +205,26 @@ fn queued_decode_steps_show_the_plain_loops_logits() {
         d.reset().unwrap();
         d.forward_last(&IDS[..5]).unwrap();
         let mut shown = Vec::new();
+        let from_maxima = d.device().stats().argmax_from_maxima;
         let steps = d
             .decode_ahead(first, STEPS, |l| {
-                shown.push(l.to_vec());
-                Some(greedy(l))
+                shown.push(l.values().to_vec());
+                // The device's maxima (the GPU head's) give the scan's argmax, bit for bit.
+                let scanned = npu_hal::kernels::argmax(l.values());
+                assert_eq!(
+                    l.argmax().map(|(i, v)| (i, v.to_bits())),
+                    scanned.map(|(i, v)| (i, v.to_bits())),
+                    "{name}: argmax of a queued step"
+                );
+                Some(greedy(l.values()))
             })
             .unwrap();
         assert_eq!(steps, STEPS, "{name}");
+        // Every queued step's argmax came from the GPU head's maxima (the first step, a plain
+        // forward, scans); the CPU NPU keeps none.
+        let from_maxima = d.device().stats().argmax_from_maxima - from_maxima;
+        let queued = if name == "gpu" { STEPS as u64 - 1 } else { 0 };
+        assert_eq!(from_maxima, queued, "{name}: argmax answers from maxima");
         for (i, (a, b)) in shown.iter().zip(&plain).enumerate() {
             assert_eq!(bits(a), bits(b), "{name}: step {i}'s logits");
         }
@@ -223,7 +236,7 @@ fn queued_decode_steps_show_the_plain_loops_logits() {
         let steps = d
             .decode_ahead(first, STEPS, |l| {
                 picks += 1;
-                let t = greedy(l);
+                let t = greedy(l.values());
                 fed.push(t);
                 (picks < 5).then_some(t)
             })

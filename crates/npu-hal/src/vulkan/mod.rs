@@ -310,6 +310,60 @@ struct GpuTensor {
     width: usize,
     max_rows: usize,
     buffer: GpuBuffer,
+    /// Where the output head's per-workgroup maxima go, in f32s from the buffer's start (past
+    /// the values): readback tensors only ([`Device::create_readback_tensor`]).
+    maxima_at: Option<usize>,
+    /// Whether the last run that wrote this tensor left maxima for its rows, and their layout.
+    maxima: Option<Maxima>,
+}
+
+/// The maxima a run of the output head's argmax GEMV left in a readback tensor
+/// (`shaders/linear_gemv_argmax.wgsl`): `per_row` (value, index) pairs for each of its first
+/// `rows` rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Maxima {
+    per_row: usize,
+    rows: usize,
+}
+
+/// A readback tensor's room for maxima: a pair per 8 outputs (the fewest rows an argmax GEMV
+/// workgroup covers, `Kernel::gemv_argmax_fits`).
+fn maxima_room(width: usize, max_rows: usize) -> Option<usize> {
+    width.div_ceil(8).checked_mul(2)?.checked_mul(max_rows)
+}
+
+/// The largest of a row's maxima (`shaders/linear_gemv_argmax.wgsl`'s (value, index) pairs,
+/// index -1 for none), in `kernels::argmax`'s order: the larger value, then the smaller index.
+/// `Ok(None)`: no pair holds a value (every output NaN); `Err`: a pair that no run of that
+/// kernel writes (an index out of `0..width` or not whole, a NaN value), so the caller scans
+/// the row instead.
+fn best_of_maxima(pairs: &[f32], width: usize) -> Result<Option<(usize, f32)>, ()> {
+    let mut best: Option<(usize, f32)> = None;
+    for pair in pairs.chunks_exact(2) {
+        let (v, i) = (pair[0], pair[1]);
+        if i == -1.0 {
+            continue;
+        }
+        if v.is_nan() || !(0.0..width as f32).contains(&i) || i.fract() != 0.0 {
+            return Err(());
+        }
+        let i = i as usize;
+        match best {
+            Some((bi, bv)) if bv > v || (bv == v && bi < i) => {}
+            _ => best = Some((i, v)),
+        }
+    }
+    Ok(best)
+}
+
+/// What a recorded run leaves in the readback tensor a linear dispatch writes: maxima with
+/// `per_row` pairs a row, or none (`per_row` `None`, a GEMM's shape); over the selected rows or
+/// the batch's.
+#[derive(Clone, Copy, Debug)]
+struct MaximaWrite {
+    tensor: u32,
+    per_row: Option<u32>,
+    selected: bool,
 }
 
 /// What identifies a host KV cache whose pages this device mirrors.
@@ -365,6 +419,9 @@ enum Grid {
         group_rows: u32,
         /// Whether the GEMM variant runs on tensor cores (`Kernel::Gemm`'s `tensor_cores`).
         tensor_cores: bool,
+        /// Whether the output has room for maxima (a readback tensor, written, not added
+        /// to): the GEMV variants that can write them then do.
+        argmax: bool,
     },
     /// One workgroup per row a linear layer reads: the batch's, or the selected ones.
     LinearRows { selected: bool },
@@ -510,6 +567,8 @@ struct HeldRun {
     /// The shape its recorded command buffer was chosen for.
     tokens: usize,
     select: Range<usize>,
+    /// The maxima it leaves (tensor, layout), in force once it is released or discarded.
+    maxima: Vec<(u32, Option<Maxima>)>,
 }
 
 fn held_pending() -> Error {
@@ -558,6 +617,8 @@ struct Recorded {
     /// when profiling (then `kernels` names the dispatches).
     timestamps: Option<vk::QueryPool>,
     kernels: Arc<Vec<Kernel>>,
+    /// The maxima each run leaves in the readback tensors it writes.
+    maxima: Vec<MaximaWrite>,
 }
 
 /// The queue and the completion timeline's last submitted value (one lock, so values are
@@ -596,6 +657,7 @@ struct Counters {
     submit_ns: AtomicU64,
     readback_ns: AtomicU64,
     device_ns: AtomicU64,
+    argmax_from_maxima: AtomicU64,
 }
 
 fn add_ns(counter: &AtomicU64, since: std::time::Instant) {
@@ -1600,7 +1662,21 @@ impl VulkanNpu {
         if accumulate.is_some() {
             reads.push(Resource::Tensor(y.0));
         }
-        let push = push_words(&[r, cols, u32::from(selected), eps.to_bits()]);
+        let maxima_at = match self.tensors[y.0 as usize].maxima_at {
+            Some(at) if accumulate.is_none() => {
+                Some(u32::try_from(at).map_err(|_| Error::Limit {
+                    what: "readback tensor size",
+                })?)
+            }
+            _ => None,
+        };
+        let push = push_words(&[
+            r,
+            cols,
+            u32::from(selected),
+            eps.to_bits(),
+            maxima_at.unwrap_or(0),
+        ]);
         let bufs = [step, codes, scales, x_buf, tensor(y), aux];
         // Every linear kernel has one binding layout: the set serves whichever the shape picks.
         let tensor_cores = self.gemm_on_tensor_cores(format);
@@ -1633,6 +1709,7 @@ impl VulkanNpu {
                     1
                 },
                 tensor_cores,
+                argmax: maxima_at.is_some(),
             },
             push,
             &bufs,
@@ -2176,10 +2253,37 @@ impl VulkanNpu {
         } else {
             None
         };
+        let maxima = self.programs[pi]
+            .dispatches
+            .iter()
+            .filter_map(|x| {
+                let Grid::Linear {
+                    argmax: true,
+                    selected,
+                    ..
+                } = x.grid
+                else {
+                    return None;
+                };
+                let Some(&Resource::Tensor(tensor)) = x.writes.first() else {
+                    return None;
+                };
+                let per_row = match shape_of(x.kernel, x.grid, shape.0, shape.1) {
+                    (Kernel::Gemv { argmax: true, .. }, groups) => Some(groups[0]),
+                    _ => None,
+                };
+                Some(MaximaWrite {
+                    tensor,
+                    per_row,
+                    selected,
+                })
+            })
+            .collect();
         let recorded = Recorded {
             commands: cb,
             timestamps,
             kernels: Arc::new(kernels),
+            maxima,
         };
         match self.record_into(pi, shape, &recorded) {
             Ok(()) => Ok(recorded),
@@ -2668,6 +2772,7 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
             lanes,
             group_rows,
             tensor_cores,
+            argmax,
         } => {
             let m = if sel { selected as u32 } else { n };
             let gemv = |tokens, rows| Kernel::Gemv {
@@ -2677,6 +2782,7 @@ fn shape_of(kernel: Kernel, grid: Grid, tokens: usize, selected: usize) -> (Kern
                 rows,
                 input,
                 accumulate,
+                argmax: argmax && Kernel::gemv_argmax_fits(tokens, lanes, rows),
             };
             // A workgroup's 256 / lanes lane groups take `rows` rows each.
             let groups = |per_group: u32| rows.div_ceil(256 / lanes * per_group);
@@ -3115,7 +3221,7 @@ impl Device for VulkanNpu {
     }
 
     fn create_tensor(&mut self, width: usize, max_rows: usize) -> Result<TensorId, Error> {
-        self.new_tensor(width, max_rows, Memory::Device)
+        self.new_tensor(width, max_rows, 0, Memory::Device)
     }
 
     /// In host memory the GPU writes over the bus (device memory on a unified-memory device):
@@ -3126,7 +3232,16 @@ impl Device for VulkanNpu {
         } else {
             Memory::Readback
         };
-        self.new_tensor(width, max_rows, memory)
+        // Room for the output head's maxima (`Device::row_argmax`), where its rows fit an
+        // f32's exact integers.
+        let room = if width < 1 << 24 {
+            maxima_room(width, max_rows).ok_or(Error::Limit {
+                what: "readback tensor size",
+            })?
+        } else {
+            0
+        };
+        self.new_tensor(width, max_rows, room, memory)
     }
 
     fn tensor_shape(&self, tensor: TensorId) -> Option<(usize, usize)> {
@@ -3229,6 +3344,61 @@ impl Device for VulkanNpu {
         Ok(())
     }
 
+    /// From the maxima the output head's GEMV wrote beside the row, where the last run that
+    /// wrote the tensor left them (one-token and short-batch decode steps): a few kilobytes
+    /// read instead of the row. The pair it picks is checked against the row's value at that
+    /// index; otherwise, and where no maxima were left, the row is scanned as the trait's
+    /// default does.
+    fn row_argmax(&self, tensor: TensorId, row: usize) -> Result<Option<(usize, f32)>, Error> {
+        let t = self.tensor(tensor, 0)?;
+        check_rows("row_argmax", t.width, t.max_rows, &(row..row + 1), t.width)?;
+        if let (Some(at), Some(m)) = (t.maxima_at, t.maxima)
+            && row < m.rows
+            && t.buffer.is_mapped()
+        {
+            self.wait_all()?;
+            self.collect_times()?;
+            let pairs = t
+                .buffer
+                .bytes((at + row * m.per_row * 2) * 4, m.per_row * 8)?;
+            let pairs: &[f32] =
+                bytemuck::try_cast_slice(pairs).map_err(|e| Error::Unsupported {
+                    what: "reading a mapped tensor in place",
+                    why: format!("the mapping is not f32-aligned ({e})"),
+                })?;
+            match best_of_maxima(pairs, t.width) {
+                Ok(None) => {
+                    self.counters
+                        .argmax_from_maxima
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Ok(None);
+                }
+                Ok(Some((i, v))) => {
+                    // Sound to borrow, as in `view_tensor`: every run that writes the tensor
+                    // has completed and none starts while `&self` is borrowed.
+                    let at_row = t.buffer.bytes((row * t.width + i) * 4, 4)?;
+                    let here = f32::from_le_bytes([at_row[0], at_row[1], at_row[2], at_row[3]]);
+                    if here.to_bits() == v.to_bits() {
+                        if !self.ctx.unified {
+                            self.readback_ledger.record(pairs.len() * 4);
+                        }
+                        self.counters
+                            .argmax_from_maxima
+                            .fetch_add(1, Ordering::Relaxed);
+                        return Ok(Some((i, v)));
+                    }
+                }
+                Err(()) => {}
+            }
+        }
+        let mut best = None;
+        let mut scratch = Vec::new();
+        self.view_tensor(tensor, row..row + 1, &mut scratch, &mut |v| {
+            best = crate::kernels::argmax(v);
+        })?;
+        Ok(best)
+    }
+
     fn write_tensor(
         &mut self,
         tensor: TensorId,
@@ -3281,21 +3451,28 @@ impl Device for VulkanNpu {
             submit_time: ns(&c.submit_ns),
             readback_time: ns(&c.readback_ns),
             device_time: self.timestamps.then(|| ns(&c.device_ns)),
+            argmax_from_maxima: c.argmax_from_maxima.load(Ordering::Relaxed),
         }
     }
 }
 
 impl VulkanNpu {
+    /// A tensor of `width * max_rows` f32s, and `room` more past them (a readback tensor's
+    /// maxima, [`GpuTensor::maxima_at`]).
     fn new_tensor(
         &mut self,
         width: usize,
         max_rows: usize,
+        room: usize,
         memory: Memory,
     ) -> Result<TensorId, Error> {
-        let bytes = width
-            .checked_mul(max_rows)
+        let values = width.checked_mul(max_rows);
+        let bytes = values
+            .and_then(|e| e.checked_add(room))
             .and_then(|e| e.checked_mul(4))
-            .filter(|&b| b > 0 && b as u64 <= u64::from(self.ctx.max_storage_range))
+            .filter(|&b| {
+                values.is_some_and(|v| v > 0) && b as u64 <= u64::from(self.ctx.max_storage_range)
+            })
             .ok_or(Error::Limit {
                 what: "tensor size (width * rows * 4 must be > 0 and within the storage-buffer range)",
             })?;
@@ -3305,6 +3482,8 @@ impl VulkanNpu {
             width,
             max_rows,
             buffer,
+            maxima_at: (room > 0).then_some(width * max_rows),
+            maxima: None,
         });
         Ok(TensorId(id))
     }
@@ -3437,9 +3616,19 @@ impl VulkanNpu {
         self.write_step(run.program, batch, kv, 0)
     }
 
-    /// Opens the gate a held run waits on.
+    /// Opens the gate a held run waits on; the maxima it leaves are then the ones in force.
     fn open_gate(&mut self, run: &HeldRun) -> Result<(), Error> {
+        self.leave_maxima(&run.maxima);
         self.gate.signal(run.gate).map_err(Error::from)
+    }
+
+    /// Records which readback tensors a submitted run leaves maxima in.
+    fn leave_maxima(&mut self, maxima: &[(u32, Option<Maxima>)]) {
+        for &(tensor, left) in maxima {
+            if let Some(t) = self.tensors.get_mut(tensor as usize) {
+                t.maxima = left;
+            }
+        }
     }
 
     /// The held run, checked against the handle.
@@ -3616,6 +3805,22 @@ impl VulkanNpu {
         let recorded = &self.programs[pi].recorded[&shape];
         let (commands, stamps) = (recorded.commands, recorded.timestamps);
         let kernels = recorded.kernels.clone();
+        let maxima: Vec<(u32, Option<Maxima>)> = recorded
+            .maxima
+            .iter()
+            .map(|w| {
+                let rows = if w.selected {
+                    batch.select.len()
+                } else {
+                    batch.tokens.len()
+                };
+                let left = w.per_row.map(|p| Maxima {
+                    per_row: p as usize,
+                    rows,
+                });
+                (w.tensor, left)
+            })
+            .collect();
         let value = self.submit_raw(commands, &waits, &signals)?;
         self.programs[pi].last = value;
         if hold {
@@ -3625,7 +3830,10 @@ impl VulkanNpu {
                 program: pi,
                 tokens: batch.tokens.len(),
                 select: batch.select.clone(),
+                maxima,
             });
+        } else {
+            self.leave_maxima(&maxima);
         }
         self.counters.submissions.fetch_add(1, Ordering::Relaxed);
         if let Some(pool) = stamps {

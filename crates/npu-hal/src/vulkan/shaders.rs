@@ -24,6 +24,11 @@ const WEIGHTS: &str = include_str!("shaders/weights.wgsl");
 const RMS_NORM: &str = include_str!("shaders/rms_norm.wgsl");
 const LINEAR_IO: &str = include_str!("shaders/linear_io.wgsl");
 const GEMV: &str = include_str!("shaders/linear_gemv.wgsl");
+const GEMV_ARGMAX: &str = include_str!("shaders/linear_gemv_argmax.wgsl");
+/// The GEMV module's `gemv_argmax` where it writes no maxima.
+const NO_GEMV_ARGMAX: &str = "const NO_ROW: u32 = 0xffffffffu;\n\
+     fn gemv_argmax(lid: u32, sg_size: u32, wg: u32, groups: u32, t0: u32, nt: u32, v: f32, \
+     i: u32) {}\n";
 const GEMM: &str = include_str!("shaders/linear_gemm.wgsl");
 const GEMM_COOP: &str = include_str!("shaders/linear_gemm_coop.wgsl");
 const GEMM_STAGE: &str = include_str!("shaders/linear_gemm_stage.wgsl");
@@ -127,7 +132,9 @@ pub(crate) enum Kernel {
     RmsNorm,
     /// A GEMV over up to `tokens` tokens per workgroup row: `lanes` invocations per lane
     /// group, each group taking `rows` neighbouring output rows (256 / `lanes` * `rows` rows per
-    /// workgroup; `rows` is above 1 for one-token GEMVs only).
+    /// workgroup; `rows` is above 1 for one-token GEMVs only). `argmax` also writes each
+    /// workgroup's largest output per token (`shaders/linear_gemv_argmax.wgsl`), for shapes
+    /// [`Kernel::gemv_argmax_fits`] admits.
     Gemv {
         format: WeightFormat,
         tokens: u32,
@@ -135,6 +142,7 @@ pub(crate) enum Kernel {
         rows: u32,
         input: LinearInput,
         accumulate: bool,
+        argmax: bool,
     },
     /// A GEMM tiled 64 rows x 64 tokens (`shaders/linear_gemm.wgsl`, or on tensor cores
     /// `shaders/linear_gemm_coop.wgsl`); `split_k` stores each column range's raw sums for
@@ -227,6 +235,15 @@ pub(crate) fn tiled_attention_shared_bytes(head_dim: u32) -> Option<u32> {
 }
 
 impl Kernel {
+    /// Whether a GEMV of `tokens` tokens per workgroup, `lanes` invocations per lane group and
+    /// `rows` rows per group can write its maxima (`shaders/linear_gemv_argmax.wgsl`'s
+    /// contract): each invocation stores one output at most, and a workgroup covers at least
+    /// 8 rows (fewer would leave the host as many pairs to read as values).
+    pub(crate) fn gemv_argmax_fits(tokens: u32, lanes: u32, rows: u32) -> bool {
+        let per_workgroup = 256 / lanes * rows;
+        per_workgroup >= 8 && per_workgroup * tokens <= 256
+    }
+
     /// Storage buffers the kernel binds (0 is always the step buffer).
     pub(crate) fn bindings(self) -> u32 {
         match self {
@@ -273,6 +290,7 @@ impl Kernel {
                 rows,
                 input,
                 accumulate,
+                argmax,
             } => {
                 s.push_str(&format!(
                     "const NT: u32 = {tokens}u;\nconst LANES: u32 = {lanes}u;\nconst RPL: u32 = {rows}u;\n"
@@ -280,6 +298,7 @@ impl Kernel {
                 linear_io(&mut s, input, accumulate);
                 weights(&mut s, format);
                 s.push_str(GEMV);
+                s.push_str(if argmax { GEMV_ARGMAX } else { NO_GEMV_ARGMAX });
             }
             Kernel::Gemm {
                 format,
@@ -662,14 +681,24 @@ mod tests {
                 for accumulate in [false, true] {
                     for lanes in GEMV_LANES {
                         let shapes = GEMV_ROWS.map(|rows| (1, rows)).into_iter().chain([(8, 1)]);
-                        kernels.extend(shapes.map(|(tokens, rows)| Kernel::Gemv {
-                            format,
-                            tokens,
-                            lanes,
-                            rows,
-                            input,
-                            accumulate,
-                        }));
+                        for argmax in [false, true] {
+                            kernels.extend(
+                                shapes
+                                    .clone()
+                                    .filter(|&(tokens, rows)| {
+                                        !argmax || Kernel::gemv_argmax_fits(tokens, lanes, rows)
+                                    })
+                                    .map(|(tokens, rows)| Kernel::Gemv {
+                                        format,
+                                        tokens,
+                                        lanes,
+                                        rows,
+                                        input,
+                                        accumulate,
+                                        argmax,
+                                    }),
+                            );
+                        }
                     }
                     for tensor_cores in [false, true] {
                         kernels.extend([false, true].map(|split_k| Kernel::Gemm {

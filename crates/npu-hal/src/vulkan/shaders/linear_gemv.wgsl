@@ -9,6 +9,9 @@
 // and 1 / rms is the same for every output row, so the loop takes dot(w, x * gain) and the
 // sum of squares of x together (a row's lanes see all of x between them), the reduction adds both,
 // and the scale is applied to the sum. The step waits on one round of loads, not two.
+//
+// The module also declares `gemv_argmax` (linear_gemv_argmax.wgsl for the output head's
+// variant, else an empty function) and NO_ROW.
 const WG: u32 = 256u;
 // Row groups per workgroup; each takes RPL neighbouring rows.
 const GROUPS: u32 = WG / LANES;
@@ -27,6 +30,7 @@ fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
     @builtin(subgroup_size) sg_size: u32,
+    @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let lane = lid % LANES;
     let group = lid / LANES;
@@ -126,7 +130,10 @@ fn main(
     }
     workgroupBarrier();
     // The workgroup's invocations store its results, neighbouring rows from neighbouring
-    // invocations, so each token's outputs go out as one run of values.
+    // invocations, so each token's outputs go out as one run of values. The last one stored
+    // (the only one, where the argmax variant runs) is offered to `gemv_argmax` unless NaN.
+    var offered = 0.0;
+    var offered_row = NO_ROW;
     for (var i = lid; i < ROWS_PER_WG * nt; i += WG) {
         let t = i / ROWS_PER_WG;
         let r = i % ROWS_PER_WG;
@@ -137,6 +144,11 @@ fn main(
                 sum /= sqrt(red_ss[t * LANES] / f32(pc.cols) + pc.eps);
             }
             store_y((t0 + t) * pc.rows + out_row, sum);
+            if (sum == sum) {
+                offered = sum;
+                offered_row = out_row;
+            }
         }
     }
+    gemv_argmax(lid, sg_size, wg.x, nwg.x, t0, nt, offered, offered_row);
 }

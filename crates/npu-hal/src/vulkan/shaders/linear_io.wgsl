@@ -10,6 +10,9 @@ struct Params {
     cols: u32,
     selected: u32,
     eps: f32,
+    // Where the output head's per-workgroup maxima go in y (linear_gemv_argmax.wgsl); unused
+    // by the other variants.
+    partials: u32,
 }
 var<immediate> pc: Params;
 @group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
