@@ -295,6 +295,12 @@ const TESTS: &[HardwareTest] = &[
         "a_held_step_runs_on_release_as_a_plain_one",
         &[Need::Vulkan],
     ),
+    host_gpu(
+        "npu-hal",
+        Target::Test("gpu_vs_cpu"),
+        "row_argmax_is_the_argmax_of_the_row",
+        &[Need::Vulkan],
+    ),
     hw(
         "npu-hal",
         Target::Test("gpu_vs_cpu"),

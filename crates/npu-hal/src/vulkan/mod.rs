@@ -2253,10 +2253,11 @@ impl VulkanNpu {
         } else {
             None
         };
-        let maxima = self.programs[pi]
-            .dispatches
+        let dispatches = &self.programs[pi].dispatches;
+        let maxima = dispatches
             .iter()
-            .filter_map(|x| {
+            .enumerate()
+            .filter_map(|(i, x)| {
                 let Grid::Linear {
                     argmax: true,
                     selected,
@@ -2268,8 +2269,12 @@ impl VulkanNpu {
                 let Some(&Resource::Tensor(tensor)) = x.writes.first() else {
                     return None;
                 };
+                // Maxima describe the tensor only if no later dispatch of the run writes it.
+                let last_writer = !dispatches[i + 1..]
+                    .iter()
+                    .any(|d| d.writes.contains(&Resource::Tensor(tensor)));
                 let per_row = match shape_of(x.kernel, x.grid, shape.0, shape.1) {
-                    (Kernel::Gemv { argmax: true, .. }, groups) => Some(groups[0]),
+                    (Kernel::Gemv { argmax: true, .. }, groups) if last_writer => Some(groups[0]),
                     _ => None,
                 };
                 Some(MaximaWrite {
@@ -3351,7 +3356,8 @@ impl Device for VulkanNpu {
     /// default does.
     fn row_argmax(&self, tensor: TensorId, row: usize) -> Result<Option<(usize, f32)>, Error> {
         let t = self.tensor(tensor, 0)?;
-        check_rows("row_argmax", t.width, t.max_rows, &(row..row + 1), t.width)?;
+        let rows = row..row.saturating_add(1);
+        check_rows("row_argmax", t.width, t.max_rows, &rows, t.width)?;
         if let (Some(at), Some(m)) = (t.maxima_at, t.maxima)
             && row < m.rows
             && t.buffer.is_mapped()
@@ -3393,7 +3399,7 @@ impl Device for VulkanNpu {
         }
         let mut best = None;
         let mut scratch = Vec::new();
-        self.view_tensor(tensor, row..row + 1, &mut scratch, &mut |v| {
+        self.view_tensor(tensor, rows, &mut scratch, &mut |v| {
             best = crate::kernels::argmax(v);
         })?;
         Ok(best)
@@ -3408,9 +3414,11 @@ impl Device for VulkanNpu {
         let t = self.tensor(tensor, 0)?;
         check_rows("write_tensor", t.width, t.max_rows, &rows, data.len())?;
         self.wait_all()?;
-        let offset = rows.start * t.width * 4;
+        let (offset, mapped) = (rows.start * t.width * 4, t.buffer.is_mapped());
+        // The host's values are not what any maxima kept beside them describe.
+        self.tensors[tensor.0 as usize].maxima = None;
         let bytes: &[u8] = bytemuck::cast_slice(data);
-        if t.buffer.is_mapped() {
+        if mapped {
             return self.tensors[tensor.0 as usize].buffer.write(offset, bytes);
         }
         let raw = &self.tensors[tensor.0 as usize].buffer;
