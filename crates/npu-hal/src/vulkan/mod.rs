@@ -37,7 +37,12 @@
 //!   writes (counted by uvm-alloc's copy ledger, stage `gpu-readback`: the one per-token
 //!   transfer), or device memory on unified memory. [`Device::view_tensor`] shows them to the
 //!   sampler where they are, with no copy on the host; [`Device::read_tensor`] copies them out.
-//!   Other tensors are copied out through a staging buffer.
+//!   Other tensors are copied out through a staging buffer. A readback tensor has room past
+//!   its values for the output head's maxima: the one-token and short-batch GEMVs that write
+//!   it (and are its last writer in the run) also write each workgroup's largest output and
+//!   its index, so [`Device::row_argmax`] reads those pairs rather than the row. Which runs
+//!   left maxima is tracked per tensor at submission (for a held run, at its release), and a
+//!   host write clears it.
 //!
 //! A device that lacks something a program needs is refused with [`Error::Unsupported`]; nothing
 //! falls back to the CPU.
