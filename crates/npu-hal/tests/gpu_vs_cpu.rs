@@ -1366,17 +1366,21 @@ fn a_held_step_runs_on_release_as_a_plain_one() {
 #[test]
 fn row_argmax_is_the_argmax_of_the_row() {
     let cols = 64;
-    // The tall head at this device's defaults, at the GPU defaults (16 lanes, 4 rows a
-    // group), and at a full workgroup of rows; a short head at the default lanes.
+    // Tall heads (an output head's GEMV) at the GPU defaults (16 lanes, 4 rows a group: 64
+    // rows a workgroup, 16 in a short batch, which keeps no maxima), at a full workgroup of
+    // rows, and at lavapipe's defaults (8 rows a workgroup: no maxima); a short head at 8
+    // lanes (32 rows a workgroup). `maxima`: which batches' answers come from maxima (one
+    // token, a short batch).
     let heads = [
-        (8200usize, None, None),
-        (8200, Some(16), Some(4)),
-        (8200, Some(8), Some(8)),
-        (520, None, None),
+        (8200usize, Some(16), Some(4), (true, false)),
+        (8200, Some(8), Some(8), (true, true)),
+        (8200, Some(32), Some(1), (false, false)),
+        (520, Some(8), None, (true, true)),
     ];
-    for (rows, tall_lanes, tall_rows) in heads {
+    for (rows, lanes, tall_rows, maxima) in heads {
         let Some(mut gpu) = gpu_with(VulkanConfig {
-            gemv_tall_lanes: tall_lanes,
+            gemv_lanes: lanes,
+            gemv_tall_lanes: lanes,
             gemv_tall_rows: tall_rows,
             ..VulkanConfig::default()
         }) else {
@@ -1431,14 +1435,18 @@ fn row_argmax_is_the_argmax_of_the_row() {
                     assert_eq!(
                         got.map(|(i, v)| (i, v.to_bits())),
                         want,
-                        "{name}, {rows} rows ({tall_lanes:?} lanes, {tall_rows:?} rows a group), \
+                        "{name}, {rows} rows ({lanes:?} lanes, {tall_rows:?} rows a group), \
                          {} tokens, row {t}",
                         tokens.len()
                     );
                 }
-                // The GEMV shapes answer from the maxima; the GEMM's leaves none.
+                // The GEMV shapes that keep maxima answer from them; the GEMM's leaves none.
                 let from_maxima = gpu.stats().argmax_from_maxima - before;
-                let expected = if tokens.len() <= 8 { tokens.len() } else { 0 };
+                let expected = match tokens.len() {
+                    1 if maxima.0 => 1,
+                    2..=8 if maxima.1 => tokens.len(),
+                    _ => 0,
+                };
                 assert_eq!(
                     from_maxima as usize,
                     expected,

@@ -173,8 +173,11 @@ fn queued_decode_steps_show_the_plain_loops_logits() {
     let Some(_) = gpu() else {
         return;
     };
+    // 8 lanes a row: 32 rows a workgroup, so the head keeps maxima (lavapipe's default 32
+    // lanes give 8, which keep none).
     let config = VulkanConfig {
         timestamps: false,
+        gemv_lanes: Some(8),
         ..VulkanConfig::default()
     };
     let device = VulkanBackend { config }

@@ -38,9 +38,9 @@
 //!   transfer), or device memory on unified memory. [`Device::view_tensor`] shows them to the
 //!   sampler where they are, with no copy on the host; [`Device::read_tensor`] copies them out.
 //!   Other tensors are copied out through a staging buffer. A readback tensor has room past
-//!   its values for the output head's maxima: the one-token and short-batch GEMVs that write
-//!   it (and are its last writer in the run) also write each workgroup's largest output and
-//!   its index, so [`Device::row_argmax`] reads those pairs rather than the row. Which runs
+//!   its values for the output head's maxima: the GEMVs that write it with at least 32 rows a
+//!   workgroup (and are its last writer in the run) also write each workgroup's largest
+//!   output and its index, so [`Device::row_argmax`] reads those pairs rather than the row. Which runs
 //!   left maxima is tracked per tensor at submission (for a held run, at its release), and a
 //!   host write clears it.
 //!
@@ -331,10 +331,10 @@ struct Maxima {
     rows: usize,
 }
 
-/// A readback tensor's room for maxima: a pair per 8 outputs (the fewest rows an argmax GEMV
+/// A readback tensor's room for maxima: a pair per 32 outputs (the fewest rows an argmax GEMV
 /// workgroup covers, `Kernel::gemv_argmax_fits`).
 fn maxima_room(width: usize, max_rows: usize) -> Option<usize> {
-    width.div_ceil(8).checked_mul(2)?.checked_mul(max_rows)
+    width.div_ceil(32).checked_mul(2)?.checked_mul(max_rows)
 }
 
 /// The largest of a row's maxima (`shaders/linear_gemv_argmax.wgsl`'s (value, index) pairs,
@@ -3355,8 +3355,8 @@ impl Device for VulkanNpu {
     }
 
     /// From the maxima the output head's GEMV wrote beside the row, where the last run that
-    /// wrote the tensor left them (one-token and short-batch decode steps): a few kilobytes
-    /// read instead of the row. The pair it picks is checked against the row's value at that
+    /// wrote the tensor left them (decode steps whose GEMV covers 32 rows or more a workgroup:
+    /// `Kernel::gemv_argmax_fits`): a few kilobytes read instead of the row. The pair it picks is checked against the row's value at that
     /// index; otherwise, and where no maxima were left, the row is scanned as the trait's
     /// default does.
     fn row_argmax(&self, tensor: TensorId, row: usize) -> Result<Option<(usize, f32)>, Error> {

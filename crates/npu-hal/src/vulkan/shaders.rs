@@ -236,12 +236,17 @@ pub(crate) fn tiled_attention_shared_bytes(head_dim: u32) -> Option<u32> {
 
 impl Kernel {
     /// Whether a GEMV of `tokens` tokens per workgroup, `lanes` invocations per lane group and
-    /// `rows` rows per group can write its maxima (`shaders/linear_gemv_argmax.wgsl`'s
-    /// contract): each invocation stores one output at most, and a workgroup covers at least
-    /// 8 rows (fewer would leave the host as many pairs to read as values).
+    /// `rows` rows per group writes its maxima (`shaders/linear_gemv_argmax.wgsl`'s contract:
+    /// each invocation stores one output at most) where it can: where a workgroup covers at
+    /// least 32 rows. With fewer the host's pass over the pairs costs more than a vectorized
+    /// scan of the row: on lavapipe at 8 rows a workgroup (its default lanes), SmolLM2-135M's
+    /// pick took 50-60 us per token from 6,144 pairs against 15-23 us scanning 49,152 logits
+    /// (the bench's `sampling_us`, `NPU_HAL_TIMESTAMPS=0 pipeline bench --model M --device gpu
+    /// --n-prompt 0 --n-gen 16 --reps 2`, two alternating rounds, 2026-12-07). The GPU's
+    /// output head takes 64 (16 lanes, 4 rows a group): 768 pairs per token.
     pub(crate) fn gemv_argmax_fits(tokens: u32, lanes: u32, rows: u32) -> bool {
         let per_workgroup = 256 / lanes * rows;
-        per_workgroup >= 8 && per_workgroup * tokens <= 256
+        per_workgroup >= 32 && per_workgroup * tokens <= 256
     }
 
     /// Storage buffers the kernel binds (0 is always the step buffer).
