@@ -351,12 +351,7 @@ pub trait Device: Send + std::fmt::Debug {
     /// output head does, so the host reads a few kilobytes rather than the vocabulary); the
     /// default views the row ([`Device::view_tensor`]) and scans it.
     fn row_argmax(&self, tensor: TensorId, row: usize) -> Result<Option<(usize, f32)>, Error> {
-        let mut best = None;
-        let mut scratch = Vec::new();
-        self.view_tensor(tensor, row..row.saturating_add(1), &mut scratch, &mut |v| {
-            best = crate::kernels::argmax(v);
-        })?;
-        Ok(best)
+        scan_row_argmax(self, tensor, row)
     }
     /// Whether [`Device::submit_held`] works here: a queue that waits, without the host, for
     /// a value the host signals later. The default is `false`.
@@ -493,6 +488,21 @@ pub(crate) fn view_copied<D: Device + ?Sized>(
     device.read_tensor(tensor, rows, scratch)?;
     view(scratch);
     Ok(())
+}
+
+/// [`Device::row_argmax`] by a scan: the row viewed ([`Device::view_tensor`]) and
+/// [`crate::kernels::argmax`] of it.
+pub(crate) fn scan_row_argmax<D: Device + ?Sized>(
+    device: &D,
+    tensor: TensorId,
+    row: usize,
+) -> Result<Option<(usize, f32)>, Error> {
+    let mut best = None;
+    let mut scratch = Vec::new();
+    device.view_tensor(tensor, row..row.saturating_add(1), &mut scratch, &mut |v| {
+        best = crate::kernels::argmax(v);
+    })?;
+    Ok(best)
 }
 
 pub(crate) fn check_rows(

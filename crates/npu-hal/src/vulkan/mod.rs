@@ -40,9 +40,9 @@
 //!   Other tensors are copied out through a staging buffer. A readback tensor has room past
 //!   its values for the output head's maxima: the GEMVs that write it with at least 32 rows a
 //!   workgroup (and are its last writer in the run) also write each workgroup's largest
-//!   output and its index, so [`Device::row_argmax`] reads those pairs rather than the row. Which runs
-//!   left maxima is tracked per tensor at submission (for a held run, at its release), and a
-//!   host write clears it.
+//!   output and its index, so [`Device::row_argmax`] reads those pairs rather than the row.
+//!   Which runs left maxima is tracked per tensor at submission (for a held run, at its
+//!   release), and a host write clears it.
 //!
 //! A device that lacks something a program needs is refused with [`Error::Unsupported`]; nothing
 //! falls back to the CPU.
@@ -65,7 +65,7 @@ use self::gpu::{Context, GpuBuffer, Instance, Memory, PUSH_BYTES, vk_err};
 use self::shaders::{Kernel, KvFormat, LinearInput, Pipelines, WeightFormat};
 use crate::device::{
     Backend, Batch, Device, DeviceInfo, DeviceKind, DeviceStats, Op, Probe, Rows, Submission,
-    TensorId, Weight, WeightId, check_op, check_rows, view_copied,
+    TensorId, Weight, WeightId, check_op, check_rows, scan_row_argmax, view_copied,
 };
 use crate::{EmbeddingData, Error, Held};
 use uvm_alloc::UnifiedBuffer;
@@ -572,8 +572,9 @@ struct HeldRun {
     /// The shape its recorded command buffer was chosen for.
     tokens: usize,
     select: Range<usize>,
-    /// The maxima it leaves (tensor, layout), in force once it is released or discarded.
-    maxima: Vec<(u32, Option<Maxima>)>,
+    /// Its recorded command buffer's key, for the maxima it leaves once it is released or
+    /// discarded.
+    shape: RecordKey,
 }
 
 fn held_pending() -> Error {
@@ -3356,9 +3357,9 @@ impl Device for VulkanNpu {
 
     /// From the maxima the output head's GEMV wrote beside the row, where the last run that
     /// wrote the tensor left them (decode steps whose GEMV covers 32 rows or more a workgroup:
-    /// `Kernel::gemv_argmax_fits`): a few kilobytes read instead of the row. The pair it picks is checked against the row's value at that
-    /// index; otherwise, and where no maxima were left, the row is scanned as the trait's
-    /// default does.
+    /// `Kernel::gemv_argmax_fits`): a few kilobytes read instead of the row. The pair it picks
+    /// is checked against the row's value at that index; otherwise, and where no maxima were
+    /// left, the row is scanned as the trait's default does.
     fn row_argmax(&self, tensor: TensorId, row: usize) -> Result<Option<(usize, f32)>, Error> {
         let t = self.tensor(tensor, 0)?;
         let rows = row..row.saturating_add(1);
@@ -3402,12 +3403,7 @@ impl Device for VulkanNpu {
                 Err(()) => {}
             }
         }
-        let mut best = None;
-        let mut scratch = Vec::new();
-        self.view_tensor(tensor, rows, &mut scratch, &mut |v| {
-            best = crate::kernels::argmax(v);
-        })?;
-        Ok(best)
+        scan_row_argmax(self, tensor, row)
     }
 
     fn write_tensor(
@@ -3631,15 +3627,23 @@ impl VulkanNpu {
 
     /// Opens the gate a held run waits on; the maxima it leaves are then the ones in force.
     fn open_gate(&mut self, run: &HeldRun) -> Result<(), Error> {
-        self.leave_maxima(&run.maxima);
+        self.leave_maxima(run.program, run.shape, run.tokens, run.select.len());
         self.gate.signal(run.gate).map_err(Error::from)
     }
 
-    /// Records which readback tensors a submitted run leaves maxima in.
-    fn leave_maxima(&mut self, maxima: &[(u32, Option<Maxima>)]) {
-        for &(tensor, left) in maxima {
-            if let Some(t) = self.tensors.get_mut(tensor as usize) {
-                t.maxima = left;
+    /// Records which readback tensors a run of program `pi`'s command buffer `shape`, over
+    /// `tokens` tokens and `selected` selected rows, leaves maxima in.
+    fn leave_maxima(&mut self, pi: usize, shape: RecordKey, tokens: usize, selected: usize) {
+        let Some(recorded) = self.programs[pi].recorded.get(&shape) else {
+            return;
+        };
+        for w in &recorded.maxima {
+            let rows = if w.selected { selected } else { tokens };
+            if let Some(t) = self.tensors.get_mut(w.tensor as usize) {
+                t.maxima = w.per_row.map(|p| Maxima {
+                    per_row: p as usize,
+                    rows,
+                });
             }
         }
     }
@@ -3818,22 +3822,6 @@ impl VulkanNpu {
         let recorded = &self.programs[pi].recorded[&shape];
         let (commands, stamps) = (recorded.commands, recorded.timestamps);
         let kernels = recorded.kernels.clone();
-        let maxima: Vec<(u32, Option<Maxima>)> = recorded
-            .maxima
-            .iter()
-            .map(|w| {
-                let rows = if w.selected {
-                    batch.select.len()
-                } else {
-                    batch.tokens.len()
-                };
-                let left = w.per_row.map(|p| Maxima {
-                    per_row: p as usize,
-                    rows,
-                });
-                (w.tensor, left)
-            })
-            .collect();
         let value = self.submit_raw(commands, &waits, &signals)?;
         self.programs[pi].last = value;
         if hold {
@@ -3843,10 +3831,10 @@ impl VulkanNpu {
                 program: pi,
                 tokens: batch.tokens.len(),
                 select: batch.select.clone(),
-                maxima,
+                shape,
             });
         } else {
-            self.leave_maxima(&maxima);
+            self.leave_maxima(pi, shape, batch.tokens.len(), batch.select.len());
         }
         self.counters.submissions.fetch_add(1, Ordering::Relaxed);
         if let Some(pool) = stamps {
