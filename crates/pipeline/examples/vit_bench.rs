@@ -9,7 +9,9 @@
 //! (`pipeline::vision_gpu::CoopTile`);
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
 //! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
-//! `median_ms` is then per batch, `ms_per_image` per image)
+//! `median_ms` is then per batch, `ms_per_image` per image; with `coop`, the attention is the
+//! fragment kernel where `vision_gpu::fragment_attention_support` holds, and `wgsl-attention`
+//! keeps the WGSL one)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -48,11 +50,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ),
         None => None,
     };
-    let options = pipeline::vision_gpu::GpuVisionOptions {
+    // `wgsl-attention` keeps the WGSL tensor-core attention where the fragment one would run.
+    let wgsl_attention = args.iter().any(|a| a == "wgsl-attention");
+    let mut options = pipeline::vision_gpu::GpuVisionOptions {
         gemm,
         attention,
         coop_tile,
         mx_weights,
+        coop_attention: pipeline::vision_gpu::CoopAttention::Wgsl,
     };
     let config = match shape {
         "b16-512" => VisionConfig {
@@ -136,6 +141,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 desc.required_features |= stamps;
             }
             let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
+            if gemm == pipeline::vision_gpu::GemmKernel::Coop && !wgsl_attention {
+                match pipeline::vision_gpu::fragment_attention_support(&device, &queue) {
+                    Ok(()) => {
+                        options.coop_attention = pipeline::vision_gpu::CoopAttention::Fragments;
+                    }
+                    Err(why) => eprintln!("fragment attention not taken: {why}"),
+                }
+            }
             let gpu =
                 pipeline::vision_gpu::GpuVisionEncoder::with_batch(&device, &cpu, options, batch)?;
             kernels_built = Some(format!("{:?}", gpu.options()));

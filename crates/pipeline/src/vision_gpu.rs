@@ -151,6 +151,9 @@ const LINEAR_REG_F16: usize = 14;
 // The tensor-core GEMM with `CoopTile::WIDE` blocks, for GEMMs with enough of them to fill the
 // GPU: present with `Coop` unless `coop_tile` forces one blocking for all.
 const GEMM_COOP_WIDE: usize = 15;
+// The tensor-core attention with its softmax in the accumulator fragments (GLSL,
+// shaders/glsl/attention_fragments.comp): present with `CoopAttention::Fragments`.
+const ATTENTION_FRAGMENTS: usize = 16;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
 const GEMM_BIAS: u32 = 1;
@@ -159,7 +162,7 @@ const GEMM_RESIDUAL: u32 = 4;
 const GEMM_F16_OUT: u32 = 8;
 
 /// Entry point of each pipeline index, for profiles.
-const KERNEL_NAMES: [&str; 16] = [
+const KERNEL_NAMES: [&str; 17] = [
     "linear",
     "layer_norm",
     "attention",
@@ -176,6 +179,7 @@ const KERNEL_NAMES: [&str; 16] = [
     "linear_reg_mx",
     "linear_reg_f16",
     "gemm_coop_wide",
+    "attention_fragments",
 ];
 
 /// The register GEMM, one module per weight format ([`register_gemm_source`]).
@@ -322,6 +326,227 @@ pub fn coop_features(adapter: &wgpu::Adapter) -> Option<wgpu::Features> {
 /// Devices that offer less run the f32 kernels. (The GEMM's needs are checked per blocking,
 /// `CoopTile::workgroup_bytes`.)
 const COOP_WORKGROUP_BYTES: u32 = 2 * 64 * 18 * 8 + 4 * 16 * 72 * 4 + 4 * 16 * 72 * 2;
+
+/// Workgroup memory `attention_fragments.comp` declares: two buffers each of a 64-key block of
+/// K and of V (64 x 18 f16 vectors), and 4 subgroups' probabilities (16 rows of 72 f16).
+const FRAGMENT_WORKGROUP_BYTES: u32 = 2 * 2 * 64 * 18 * 8 + 4 * 16 * 72 * 2;
+
+/// The fragment attention's module and the probe of the accumulator layout it assumes: SPIR-V
+/// built from the GLSL beside them by `shaders/glsl/build.sh` (naga's WGSL cannot reach a
+/// cooperative matrix's elements), which records the sources' hashes in `SOURCES.sha256`.
+const ATTENTION_FRAGMENTS_SPV: &[u8] = include_bytes!("shaders/glsl/attention_fragments.spv");
+const FRAGMENT_PROBE_SPV: &[u8] = include_bytes!("shaders/glsl/fragment_probe.spv");
+
+/// Which tensor-core attention kernel a `Coop` tower runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CoopAttention {
+    /// `attention_coop` (vit_coop.wgsl): scores, probabilities and each key block's P V pass
+    /// through workgroup memory, where pairs of lanes run the softmax.
+    #[default]
+    Wgsl,
+    /// `attention_fragments` (GLSL through SPIR-V passthrough): the softmax and the output stay
+    /// in the accumulators' registers, each invocation working on its own elements; only P
+    /// goes through workgroup memory. Heads of 64 dimensions, on a device where
+    /// [`fragment_attention_support`] holds (it needs `PASSTHROUGH_SHADERS`, which
+    /// [`device_descriptor`] requests where offered); elsewhere `Wgsl` runs.
+    Fragments,
+}
+
+/// Whether `device` runs [`CoopAttention::Fragments`]: it was opened with the tensor-core
+/// features ([`coop_features`]) and SPIR-V passthrough, has the workgroup memory, and its
+/// 16x16 f32 accumulator is laid out as the kernel assumes (8 elements per invocation in at
+/// most 2 rows, the 4 invocations of each aligned group holding the same 2 rows), which a probe
+/// dispatch on `queue` shows (it waits for the device).
+///
+/// # Errors
+/// What is missing, or how the layout differs.
+pub fn fragment_attention_support(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+) -> Result<(), String> {
+    let needed = COOP_FEATURES | wgpu::Features::PASSTHROUGH_SHADERS;
+    if !device.features().contains(needed) {
+        return Err(format!(
+            "the device was opened without {:?}",
+            needed - device.features()
+        ));
+    }
+    let limits = device.limits();
+    if limits.max_compute_workgroup_storage_size < FRAGMENT_WORKGROUP_BYTES
+        || limits.max_compute_invocations_per_workgroup < 128
+    {
+        return Err(format!(
+            "the kernel needs {FRAGMENT_WORKGROUP_BYTES} bytes of workgroup memory and 128 \
+             invocations per workgroup; the device offers {} and {}",
+            limits.max_compute_workgroup_storage_size, limits.max_compute_invocations_per_workgroup
+        ));
+    }
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some("fragment probe"),
+        entries: &[storage_entry(0, false)],
+    });
+    let pipeline = passthrough_pipeline(device, &layout, "fragment probe", FRAGMENT_PROBE_SPV, 32);
+    let bytes = 257 * 4;
+    let out = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("fragment probe"),
+        size: bytes,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let read = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("fragment probe readback"),
+        size: bytes,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let bind = bind_buffers(device, &pipeline, &[&out]);
+    let mut encoder = device.create_command_encoder(&Default::default());
+    {
+        let mut pass = encoder.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    }
+    encoder.copy_buffer_to_buffer(&out, 0, &read, 0, bytes);
+    queue.submit([encoder.finish()]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    read.slice(..)
+        .map_async(wgpu::MapMode::Read, move |r| drop(tx.send(r)));
+    device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| format!("waiting for the layout probe: {e}"))?;
+    rx.recv()
+        .map_err(|_| "the layout probe's readback was dropped".to_string())?
+        .map_err(|e| format!("reading the layout probe back: {e}"))?;
+    let values: Vec<f32> = {
+        let view = read
+            .slice(..)
+            .get_mapped_range()
+            .map_err(|e| format!("reading the layout probe back: {e}"))?;
+        bytemuck::cast_slice(&view).to_vec()
+    };
+    read.unmap();
+    check_fragment_layout(&values)
+}
+
+/// Checks the probe's output (`fragment_probe.comp`: position p of the row-major 16x16 matrix
+/// holds lane * 64 + element, and value 256 the element count) against what
+/// `attention_fragments.comp` assumes.
+fn check_fragment_layout(values: &[f32]) -> Result<(), String> {
+    if values.len() != 257 || values[256] != 8.0 {
+        return Err(format!(
+            "an accumulator holds {} elements per invocation; the kernel is written for 8",
+            values.get(256).copied().unwrap_or(f32::NAN)
+        ));
+    }
+    // rows[lane]: a bit per row its elements lie in.
+    let mut rows = [0u16; 32];
+    let mut seen = [0u8; 32];
+    for (position, &code) in values[..256].iter().enumerate() {
+        let valid = code >= 0.0 && code.fract() == 0.0 && code < 32.0 * 64.0;
+        let (lane, element) = ((code as usize) / 64, (code as usize) % 64);
+        if !valid || element >= 8 || seen[lane] & (1 << element) != 0 {
+            return Err(format!(
+                "position {position} of the probe holds {code}, not a new element of a lane"
+            ));
+        }
+        seen[lane] |= 1 << element;
+        rows[lane] |= 1 << (position / 16);
+    }
+    for group in rows.chunks_exact(4) {
+        if group[0].count_ones() != 2 || group.iter().any(|&r| r != group[0]) {
+            return Err(format!(
+                "the rows each lane of a group of 4 holds differ or are not two: {group:04x?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A compute pipeline layout entry for a storage buffer at `binding`.
+fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    }
+}
+
+/// One of this crate's SPIR-V modules (entry point `main`, `threads` invocations in x) as a
+/// compute pipeline with bind group 0 `layout`.
+fn passthrough_pipeline(
+    device: &wgpu::Device,
+    layout: &wgpu::BindGroupLayout,
+    name: &str,
+    spirv: &[u8],
+    threads: u32,
+) -> wgpu::ComputePipeline {
+    let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: Some(name),
+        bind_group_layouts: &[Some(layout)],
+        immediate_size: 0,
+    });
+    let entry = [wgpu::PassthroughShaderEntryPoint {
+        name: "main".into(),
+        workgroup_size: (threads, 1, 1),
+    }];
+    // SAFETY: the module is one of this crate's, built by shaders/glsl/build.sh, which runs
+    // spirv-val on it, from the GLSL whose hash `glsl_spirv_is_built_from_its_sources` checks.
+    // Its bindings are `layout`'s, and each dispatch of it is built from sizes checked against
+    // the contract its source states (`fragment_attention_support`'s probe: one subgroup, 257
+    // floats; the attention: see `with_batch`).
+    let module = unsafe {
+        device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
+            label: Some(name),
+            entry_points: entry[..].into(),
+            spirv: Some(wgpu::util::make_spirv_raw(spirv)),
+            ..Default::default()
+        })
+    };
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(name),
+        layout: Some(&pipeline_layout),
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
+/// `attention_fragments` with attention_coop's bindings: the QKV buffer (f16) at 0 and again
+/// at 3, the output at 1, the parameters at 2.
+fn fragment_attention_pipeline(device: &wgpu::Device) -> wgpu::ComputePipeline {
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some("attention_fragments"),
+        entries: &[
+            storage_entry(0, true),
+            storage_entry(1, false),
+            wgpu::BindGroupLayoutEntry {
+                binding: 2,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            },
+            storage_entry(3, true),
+        ],
+    });
+    passthrough_pipeline(
+        device,
+        &layout,
+        "attention_fragments",
+        ATTENTION_FRAGMENTS_SPV,
+        128,
+    )
+}
 
 /// What [`coop_features`] asks for.
 const COOP_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
@@ -641,10 +866,52 @@ fn attention_code(query_subgroups: usize) -> [(&'static str, String); 6] {
     ]
 }
 
+/// The code for layer_norm_f16's markers, written out with named registers: lane l's vectors
+/// l, l + 32, ... of a row of `width` values (`vecs` = width / 128 rounded up of them).
+fn layer_norm_code(width: usize) -> [(&'static str, String); 4] {
+    let vecs = width.div_ceil(128).max(1);
+    let mut load = String::new();
+    let mut square = String::new();
+    let mut store = String::new();
+    for j in 0..vecs {
+        load += &format!(
+            "var x{j} = vec4<f32>(0.0);\n    \
+             if (lane + {o}u < w4) {{ x{j} = ln_x[base + lane + {o}u]; }}\n    \
+             s += x{j}.x + x{j}.y + x{j}.z + x{j}.w;\n    ",
+            o = 32 * j
+        );
+        square += &format!(
+            "if (lane + {o}u < w4) {{ let d = x{j} - mean; q += dot(d, d); }}\n    ",
+            o = 32 * j
+        );
+        store += &format!(
+            "if (lane + {o}u < w4) {{\n        \
+             let y = (x{j} - mean) * inv * ln_w[lane + {o}u] + ln_b[lane + {o}u];\n        \
+             ln_y[base + lane + {o}u] = vec2<u32>(pack2x16float(y.xy), pack2x16float(y.zw));\n    \
+             }}\n    ",
+            o = 32 * j
+        );
+    }
+    [
+        (
+            "const LN_VECS: u32 = 6u;",
+            format!("const LN_VECS: u32 = {vecs}u;"),
+        ),
+        ("// <ln-load>", load),
+        ("// <ln-square>", square),
+        ("// <ln-store>", store),
+    ]
+}
+
 /// The tensor-core module with its tile constants set (the GEMM's blocking, subgroups of 16
 /// queries per attention workgroup) and, with MX weights, the GEMM's weight source swapped for
 /// MX codes and scales decoded by mx-quant's WGSL functions.
-fn coop_source(tile: CoopTile, query_subgroups: usize, mx: Option<mx_quant::ElemFormat>) -> String {
+fn coop_source(
+    tile: CoopTile,
+    query_subgroups: usize,
+    width: usize,
+    mx: Option<mx_quant::ElemFormat>,
+) -> String {
     let constants = [
         (
             "const BM: u32 = 64u;",
@@ -676,6 +943,7 @@ fn coop_source(tile: CoopTile, query_subgroups: usize, mx: Option<mx_quant::Elem
         .into_iter()
         .chain(tile.gemm_code())
         .chain(attention_code(query_subgroups))
+        .chain(layer_norm_code(width))
     {
         assert!(source.contains(marker), "vit_coop.wgsl lacks {marker}");
         source = source.replace(marker, &code);
@@ -766,6 +1034,10 @@ pub struct GpuVisionOptions {
     /// 32). Weights are quantized at load with mx-quant's default options, exactly as
     /// [`VisionEncoder::with_mx_weights`] rounds them for the CPU.
     pub mx_weights: Option<mx_quant::ElemFormat>,
+    /// The tensor-core attention kernel (with `Coop` GEMMs). `Fragments` is taken only where
+    /// the device and the tower allow it, else `Wgsl` runs; [`GpuVisionEncoder::options`] says
+    /// which was built.
+    pub coop_attention: CoopAttention,
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
@@ -788,6 +1060,8 @@ pub fn device_descriptor(
     desc.required_features |= adapter.features() & wgpu::Features::SHADER_F16;
     if let Some(features) = coop_features(adapter) {
         desc.required_features |= features;
+        // SPIR-V passthrough where offered, for the fragment attention (`CoopAttention`).
+        desc.required_features |= adapter.features() & wgpu::Features::PASSTHROUGH_SHADERS;
         // SAFETY: the token only acknowledges that wgpu's experimental features may have bugs.
         // The one experimental feature requested, cooperative matrices, is used by one kernel
         // (vit_coop.wgsl), which tests hold to the CPU reference on the devices that offer it.
@@ -809,6 +1083,7 @@ impl GpuVisionOptions {
                 attention: AttentionKernel::PerQuery,
                 coop_tile: None,
                 mx_weights: None,
+                coop_attention: CoopAttention::Wgsl,
             }
         } else {
             GpuVisionOptions::default()
@@ -1012,6 +1287,21 @@ impl GpuVisionEncoder {
         if !coop {
             options.coop_tile = None;
         }
+        // The fragment attention's contract (attention_fragments.comp): heads of 64, the patch
+        // count a multiple of 64 (coop_fits), and a device with passthrough and the workgroup
+        // memory. Whether the device's accumulator layout is the one the kernel assumes is
+        // `fragment_attention_support`'s probe, which whoever asks for `Fragments` has run.
+        let fragments = coop
+            && options.coop_attention == CoopAttention::Fragments
+            && hd == 64
+            && device
+                .features()
+                .contains(wgpu::Features::PASSTHROUGH_SHADERS)
+            && limits.max_compute_workgroup_storage_size >= FRAGMENT_WORKGROUP_BYTES
+            && limits.max_compute_invocations_per_workgroup >= 128;
+        if !fragments {
+            options.coop_attention = CoopAttention::Wgsl;
+        }
         // Attention workgroups take 64 queries (4 subgroups of 16) sharing each staged K and V
         // block. With 2 subgroups attention took 4.5 against 3.3 ms per SigLIP-B/16-512 image
         // on an H200 (`vit_bench -- b16-512 gpu 30 coop tiled profile`, before the softmax's
@@ -1091,9 +1381,10 @@ impl GpuVisionEncoder {
             // multiple of 8, k of 4; with MX weights, codes for n x k elements plus the spare
             // word `mx_load4` reads, scales for them, and k a multiple of 32, checked above);
             // `attention_coop` reads rows < n of an n x 3h buffer and runs only when n is a
-            // multiple of 64 (= 16 * QSUB); `layer_norm_f16` and `to_f16` guard their indices
-            // against the lengths they are given. Workgroup memory is not zeroed: each kernel
-            // writes what it reads first.
+            // multiple of 64 (= 16 * QSUB); `layer_norm_f16` (its registers written out for
+            // this tower's width h, a multiple of 8 by coop_fits, and run only at that width)
+            // and `to_f16` guard their indices against the lengths they are given. Workgroup
+            // memory is not zeroed: each kernel writes what it reads first.
             let trusted = |label: &str, source: String| {
                 // SAFETY: only the two coop_source modules below go through here, and their
                 // kernels meet the contracts listed above.
@@ -1107,14 +1398,17 @@ impl GpuVisionEncoder {
                     )
                 }
             };
-            let module = trusted("vit coop", coop_source(tile, query_subgroups, mx));
+            let module = trusted("vit coop", coop_source(tile, query_subgroups, h, mx));
             compile(&module, TO_F16, LINEAR_REG_MX - TO_F16, false);
             if let Some(wide) = coop_gemms.wide {
-                let source = coop_source(wide, query_subgroups, mx)
+                let source = coop_source(wide, query_subgroups, h, mx)
                     .replace("fn gemm_coop(", "fn gemm_coop_wide(");
                 let module = trusted("vit coop wide GEMM", source);
                 compile(&module, GEMM_COOP_WIDE, 1, false);
             }
+        }
+        if fragments {
+            pipelines[ATTENTION_FRAGMENTS] = Some(fragment_attention_pipeline(device));
         }
         let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
@@ -1339,12 +1633,17 @@ impl GpuVisionEncoder {
                     qkv_shape,
                     GEMM_F16_OUT,
                 );
+                let attention = if fragments {
+                    ATTENTION_FRAGMENTS
+                } else {
+                    ATTENTION_COOP
+                };
                 for i in 0..batch {
                     let qkv = share_of(&qkv16, i, n * 3 * h, 2);
                     body.push(Dispatch {
-                        pipeline: ATTENTION_COOP,
+                        pipeline: attention,
                         bind: bind_image(
-                            ATTENTION_COOP,
+                            attention,
                             &[qkv, share_of(&xn16, i, n * h, 2), whole(&attn_params), qkv],
                         ),
                         groups: ((n / (16 * query_subgroups)) as u32, c.heads as u32, 1),
@@ -1721,7 +2020,96 @@ impl GpuVisionEncoder {
 
 #[cfg(test)]
 mod tests {
-    use super::{CoopTile, coop_source};
+    use super::{CoopTile, check_fragment_layout, coop_source};
+
+    /// Each committed SPIR-V module was built from the GLSL as it stands: `build.sh` recorded
+    /// each source's SHA-256, and editing a source without rebuilding fails here.
+    #[test]
+    fn glsl_spirv_is_built_from_its_sources() {
+        use sha2::Digest;
+        let sources = [
+            (
+                "attention_fragments.comp",
+                include_str!("shaders/glsl/attention_fragments.comp"),
+            ),
+            (
+                "fragment_probe.comp",
+                include_str!("shaders/glsl/fragment_probe.comp"),
+            ),
+        ];
+        let record = include_str!("shaders/glsl/SOURCES.sha256");
+        let mut checked = 0;
+        for line in record.lines() {
+            let mut parts = line.split_whitespace();
+            let (Some(hash), Some(name), Some(source)) = (parts.next(), parts.next(), parts.next())
+            else {
+                panic!("SOURCES.sha256 line {line:?}");
+            };
+            let text = sources
+                .iter()
+                .find(|(s, _)| *s == source)
+                .map(|(_, t)| t)
+                .unwrap_or_else(|| panic!("{name} names an unknown source {source}"));
+            let got: String = sha2::Sha256::digest(text.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            assert_eq!(
+                got, hash,
+                "{source} changed since {name}.spv was built: run build.sh"
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, sources.len());
+        for spirv in [super::ATTENTION_FRAGMENTS_SPV, super::FRAGMENT_PROBE_SPV] {
+            assert_eq!(spirv[..4], 0x0723_0203u32.to_le_bytes());
+        }
+    }
+
+    /// The fragment probe's output for a layout, as `fragment_probe.comp` writes it: position
+    /// (row, col) holds lane * 64 + element.
+    fn probe_output(place: impl Fn(usize, usize) -> (usize, usize)) -> Vec<f32> {
+        let mut values = vec![f32::NAN; 257];
+        for lane in 0..32 {
+            for element in 0..8 {
+                let (row, col) = place(lane, element);
+                values[row * 16 + col] = (lane * 64 + element) as f32;
+            }
+        }
+        values[256] = 8.0;
+        values
+    }
+
+    /// NVIDIA's mma.m16n8k16 accumulator, two 8-column halves: lane l holds rows l / 4 and
+    /// l / 4 + 8, columns 2 (l % 4) + {0, 1} of each half.
+    fn nvidia(lane: usize, element: usize) -> (usize, usize) {
+        let row = lane / 4 + 8 * ((element / 2) % 2);
+        let col = 2 * (lane % 4) + element % 2 + 8 * (element / 4);
+        (row, col)
+    }
+
+    #[test]
+    fn the_fragment_layout_check_takes_nvidias_and_refuses_others() {
+        check_fragment_layout(&probe_output(nvidia)).unwrap();
+        // Each lane's 8 elements in one row: lanes 2r and 2r + 1 share row r, which the
+        // kernel's shuffles over groups of 4 would mix with row r + 1.
+        let rowwise = probe_output(|lane, element| (lane / 2, 8 * (lane % 2) + element));
+        assert!(check_fragment_layout(&rowwise).is_err());
+        // Column-major: a lane's elements spread over 8 rows.
+        let transposed = probe_output(|lane, element| {
+            let (row, col) = nvidia(lane, element);
+            (col, row)
+        });
+        assert!(check_fragment_layout(&transposed).is_err());
+        // Another element count, and a position written twice.
+        let mut count = probe_output(nvidia);
+        count[256] = 4.0;
+        assert!(check_fragment_layout(&count).is_err());
+        let mut twice = probe_output(nvidia);
+        twice[1] = twice[0];
+        assert!(check_fragment_layout(&twice).is_err());
+        assert!(check_fragment_layout(&[0.0; 12]).is_err());
+    }
 
     /// The generated tensor-core module parses and validates for every blocking the README
     /// measures, with f16 and MX weights: CI's lavapipe has no cooperative matrices, so this is
@@ -1739,7 +2127,7 @@ mod tests {
         ] {
             let tile = CoopTile::parse(tile).unwrap();
             for mx in [None, Some(mx_quant::ElemFormat::Fp4E2M1)] {
-                let source = coop_source(tile, 4, mx);
+                let source = coop_source(tile, 4, 768, mx);
                 let last = format!(
                     "c{0}_{1} = coopMultiplyAdd(a{0}, b{1}",
                     tile.tiles_m - 1,

@@ -350,7 +350,7 @@ fn an_image_spliced_in_runs_matches_its_pieces_spliced_one_by_one() {
 #[test]
 #[ignore = "hardware: needs a Vulkan adapter with cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 f16), f16 shaders and 32-wide subgroups"]
 fn the_coop_matrix_encoder_matches_the_cpu_reference() {
-    use pipeline::vision_gpu::{GemmKernel, GpuVisionEncoder};
+    use pipeline::vision_gpu::{CoopAttention, GemmKernel, GpuVisionEncoder};
     let adapter = vulkan_adapter().expect("a Vulkan adapter");
     assert!(
         pipeline::vision_gpu::coop_features(&adapter).is_some(),
@@ -401,6 +401,42 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
             .map(|k| pixels.iter().map(|v| v * (1.0 - 0.25 * k as f32)).collect())
             .collect();
         encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
+        // The fragment attention (heads of 64 here), where the device's accumulators are laid
+        // out for it; NVIDIA's are, so there it must run.
+        match pipeline::vision_gpu::fragment_attention_support(&gpu_device.0, &gpu_device.1) {
+            Ok(()) => {
+                let wgsl = encode_on_gpu(
+                    &gpu_device,
+                    &GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap(),
+                    &pixels,
+                );
+                let options = pipeline::vision_gpu::GpuVisionOptions {
+                    coop_attention: CoopAttention::Fragments,
+                    ..options
+                };
+                let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+                assert_eq!(gpu.options().coop_attention, CoopAttention::Fragments);
+                let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+                let (rel, rel_wgsl) = (rel_diff(&got, &want), rel_diff(&got, &wgsl));
+                eprintln!(
+                    "coop encoder ({image_size}px, fragment attention) vs CPU: {rel}, vs the \
+                     WGSL attention: {rel_wgsl}"
+                );
+                assert!(
+                    rel < 2e-2,
+                    "fragment attention ({image_size}px) differs by {rel}"
+                );
+                encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
+            }
+            Err(why) => {
+                eprintln!("fragment attention not run: {why}");
+                assert_ne!(
+                    adapter.get_info().vendor,
+                    0x10de,
+                    "NVIDIA's accumulators fit the fragment attention: {why}"
+                );
+            }
+        }
         // MX weights decoded as the GEMM stages its weight tiles, against the CPU with the
         // same rounded weights.
         for format in [mx_quant::ElemFormat::Fp8E4M3, mx_quant::ElemFormat::Fp4E2M1] {
@@ -695,6 +731,7 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
             attention: AttentionKernel::PerQuery,
             coop_tile: None,
             mx_weights: Some(format),
+            coop_attention: Default::default(),
         };
         let gpu =
             pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
@@ -734,6 +771,7 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
         attention: AttentionKernel::PerQuery,
         coop_tile: None,
         mx_weights: None,
+        coop_attention: Default::default(),
     };
     let gpu =
         pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
@@ -764,24 +802,28 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             attention: AttentionKernel::PerQuery,
             coop_tile: None,
             mx_weights: None,
+            coop_attention: Default::default(),
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
             attention: AttentionKernel::Tiled,
             coop_tile: None,
             mx_weights: None,
+            coop_attention: Default::default(),
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::PerQuery,
             coop_tile: None,
             mx_weights: None,
+            coop_attention: Default::default(),
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
             attention: AttentionKernel::Tiled,
             coop_tile: None,
             mx_weights: None,
+            coop_attention: Default::default(),
         },
     ] {
         let gpu =
@@ -851,6 +893,7 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
             attention,
             coop_tile: None,
             mx_weights: None,
+            coop_attention: Default::default(),
         };
         let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
         for (k, (share, image)) in outputs.iter().zip(&images).enumerate() {

@@ -418,8 +418,15 @@ impl GpuContext {
                 )
             })?;
         let info = adapter.get_info();
-        let (desc, vision_options) = crate::vision_gpu::device_descriptor(&adapter);
+        let (desc, mut vision_options) = crate::vision_gpu::device_descriptor(&adapter);
         let (device, queue, caps) = uvm_alloc::vulkan::open_wgpu_device(&adapter, &desc)?;
+        // The fragment attention where the device's accumulators are laid out for it; where
+        // not, the WGSL tensor-core attention runs, as before.
+        if vision_options.gemm == crate::vision_gpu::GemmKernel::Coop
+            && crate::vision_gpu::fragment_attention_support(&device, &queue).is_ok()
+        {
+            vision_options.coop_attention = crate::vision_gpu::CoopAttention::Fragments;
+        }
         let completion = sync_timeline::vulkan::VulkanTimeline::from_wgpu(&device, 0)
             .map_err(|e| format!("creating the GPU stages' completion timeline: {e}"))?;
         Ok(GpuContext {

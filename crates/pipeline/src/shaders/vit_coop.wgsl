@@ -174,12 +174,15 @@ fn to_f16(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 // ---------------------------------------------------------------------------------------------
 // LayerNorm of f32 rows into f16 rows (the next GEMM's input): one subgroup per row, 4 rows per
-// workgroup, sums in f32 by subgroupAdd. Contract: ln_p = (rows, width, eps bits, _), width
-// even; x and y hold rows * width values.
-@group(0) @binding(0) var<storage, read> ln_x: array<f32>;
-@group(0) @binding(1) var<storage, read> ln_w: array<f32>;
-@group(0) @binding(2) var<storage, read> ln_b: array<f32>;
-@group(0) @binding(3) var<storage, read_write> ln_y: array<u32>;
+// workgroup. Each lane loads its share of the row once, as vectors into named registers, and
+// the mean and variance are taken from them (sums in f32 by subgroupAdd), so the row is read
+// from memory once and the kernel waits on memory once. Contract: ln_p = (rows, width, eps
+// bits, _), width a multiple of 4 and at most 128 * LN_VECS; x and y hold rows * width values.
+const LN_VECS: u32 = 6u; // substituted: vectors per lane, the tower's width / 128 rounded up
+@group(0) @binding(0) var<storage, read> ln_x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> ln_w: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> ln_b: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> ln_y: array<vec2<u32>>;
 @group(0) @binding(4) var<uniform> ln_p: vec4<u32>;
 
 @compute @workgroup_size(128, 1, 1)
@@ -189,25 +192,18 @@ fn layer_norm_f16(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let row = wid.x * 4u + sg;
-    let width = ln_p.y;
     if (row >= ln_p.x) {
         return;
     }
-    let base = row * width;
+    let w4 = ln_p.y / 4u;
+    let base = row * w4;
     var s = 0.0;
-    for (var i = lane; i < width; i += 32u) { s += ln_x[base + i]; }
-    let mean = subgroupAdd(s) / f32(width);
+    // <ln-load>
+    let mean = subgroupAdd(s) / f32(ln_p.y);
     var q = 0.0;
-    for (var i = lane; i < width; i += 32u) {
-        let d = ln_x[base + i] - mean;
-        q += d * d;
-    }
-    let inv = inverseSqrt(subgroupAdd(q) / f32(width) + bitcast<f32>(ln_p.z));
-    for (var i = lane * 2u; i < width; i += 64u) {
-        let a = (ln_x[base + i] - mean) * inv * ln_w[i] + ln_b[i];
-        let b = (ln_x[base + i + 1u] - mean) * inv * ln_w[i + 1u] + ln_b[i + 1u];
-        ln_y[(base + i) / 2u] = pack2x16float(vec2<f32>(a, b));
-    }
+    // <ln-square>
+    let inv = inverseSqrt(subgroupAdd(q) / f32(ln_p.y) + bitcast<f32>(ln_p.z));
+    // <ln-store>
 }
 
 // ---------------------------------------------------------------------------------------------
