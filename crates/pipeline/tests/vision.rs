@@ -427,6 +427,21 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                     "fragment attention ({image_size}px) differs by {rel}"
                 );
                 encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
+                // And the GLSL GEMM with it.
+                let options = pipeline::vision_gpu::GpuVisionOptions {
+                    glsl_gemm: true,
+                    ..options
+                };
+                let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+                assert!(gpu.options().glsl_gemm, "{:?}", gpu.options());
+                let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
+                let (rel, rel_wgsl) = (rel_diff(&got, &want), rel_diff(&got, &wgsl));
+                eprintln!(
+                    "coop encoder ({image_size}px, GLSL GEMM and attention) vs CPU: {rel}, vs \
+                     WGSL: {rel_wgsl}"
+                );
+                assert!(rel < 2e-2, "GLSL GEMM ({image_size}px) differs by {rel}");
+                encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
             }
             Err(why) => {
                 eprintln!("fragment attention not run: {why}");
@@ -732,6 +747,7 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
             coop_tile: None,
             mx_weights: Some(format),
             coop_attention: Default::default(),
+            glsl_gemm: false,
         };
         let gpu =
             pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
@@ -772,6 +788,7 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
         coop_tile: None,
         mx_weights: None,
         coop_attention: Default::default(),
+        glsl_gemm: false,
     };
     let gpu =
         pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
@@ -803,6 +820,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            glsl_gemm: false,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
@@ -810,6 +828,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            glsl_gemm: false,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -817,6 +836,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            glsl_gemm: false,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -824,6 +844,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            glsl_gemm: false,
         },
     ] {
         let gpu =
@@ -894,6 +915,7 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            glsl_gemm: false,
         };
         let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
         for (k, (share, image)) in outputs.iter().zip(&images).enumerate() {
