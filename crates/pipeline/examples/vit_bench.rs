@@ -10,8 +10,8 @@
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
 //! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
 //! `median_ms` is then per batch, `ms_per_image` per image; with `coop`, the attention is the
-//! fragment kernel where `vision_gpu::fragment_attention_support` holds, `wgsl-attention`
-//! keeps the WGSL one, and `glsl-gemm` takes the GLSL GEMM with the fragment attention)
+//! fragment kernel where `vision_gpu::fragment_attention_support` holds, and `wgsl-attention`
+//! keeps the WGSL one)
 //!
 //! `b16-512` is SmolVLM-256M's tower: SigLIP-B/16 at 512x512 (1024 patches, hidden 768, 12
 //! layers, 12 heads, MLP 3072), connector to 576. Each GPU iteration records one command encoder
@@ -58,7 +58,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         coop_tile,
         mx_weights,
         coop_attention: pipeline::vision_gpu::CoopAttention::Wgsl,
-        glsl_gemm: args.iter().any(|a| a == "glsl-gemm"),
     };
     let config = match shape {
         "b16-512" => VisionConfig {

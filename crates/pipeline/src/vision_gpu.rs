@@ -336,9 +336,6 @@ const FRAGMENT_WORKGROUP_BYTES: u32 = 2 * 2 * 64 * 18 * 8 + 4 * 16 * 72 * 2;
 /// cooperative matrix's elements), which records the sources' hashes in `SOURCES.sha256`.
 const ATTENTION_FRAGMENTS_SPV: &[u8] = include_bytes!("shaders/glsl/attention_fragments.spv");
 const FRAGMENT_PROBE_SPV: &[u8] = include_bytes!("shaders/glsl/fragment_probe.spv");
-/// `gemm_fragments.comp` at [`CoopTile::SMALL`]'s and [`CoopTile::WIDE`]'s blockings.
-const GEMM_FRAGMENTS_SMALL_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_fragments_small.spv");
-const GEMM_FRAGMENTS_WIDE_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_fragments_wide.spv");
 
 /// Which tensor-core attention kernel a `Coop` tower runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -355,13 +352,11 @@ pub enum CoopAttention {
     Fragments,
 }
 
-/// Whether `device` runs the GLSL kernels ([`CoopAttention::Fragments`],
-/// [`GpuVisionOptions::glsl_gemm`]): it was opened with the tensor-core features
-/// ([`coop_features`]) and SPIR-V passthrough, has the workgroup memory, and its 16x16 f32
-/// accumulator is laid out as the kernels assume (8 elements per invocation in 2 rows, the 4
-/// invocations of each aligned group holding the same 2 rows, elements 2j and 2j + 1 side by
-/// side from an even column), which a probe dispatch on `queue` shows (it waits for the
-/// device).
+/// Whether `device` runs [`CoopAttention::Fragments`]: it was opened with the tensor-core
+/// features ([`coop_features`]) and SPIR-V passthrough, has the workgroup memory, and its
+/// 16x16 f32 accumulator is laid out as the kernel assumes (8 elements per invocation in at
+/// most 2 rows, the 4 invocations of each aligned group holding the same 2 rows), which a probe
+/// dispatch on `queue` shows (it waits for the device).
 ///
 /// # Errors
 /// What is missing, or how the layout differs.
@@ -458,26 +453,6 @@ fn check_fragment_layout(values: &[f32]) -> Result<(), String> {
         seen[lane] |= 1 << element;
         rows[lane] |= 1 << (position / 16);
     }
-    // Elements 2j and 2j + 1 of a lane side by side in one row, the first at an even column
-    // (the GLSL GEMM's epilogue stores them as a pair).
-    let mut place = [(0usize, 0usize); 32 * 8];
-    for (position, &code) in values[..256].iter().enumerate() {
-        place[code as usize / 64 * 8 + code as usize % 64] = (position / 16, position % 16);
-    }
-    for (at, pair) in place.chunks_exact(2).enumerate() {
-        let ((r0, c0), (r1, c1)) = (pair[0], pair[1]);
-        if r0 != r1 || c1 != c0 + 1 || c0 % 2 != 0 {
-            return Err(format!(
-                "elements {} and {} of lane {} are at {:?} and {:?}, not an even column and the \
-                 next",
-                2 * (at % 4),
-                2 * (at % 4) + 1,
-                at / 4,
-                pair[0],
-                pair[1]
-            ));
-        }
-    }
     for group in rows.chunks_exact(4) {
         if group[0].count_ones() != 2 || group.iter().any(|&r| r != group[0]) {
             return Err(format!(
@@ -541,35 +516,6 @@ fn passthrough_pipeline(
         compilation_options: Default::default(),
         cache: None,
     })
-}
-
-/// `gemm_fragments` built for `tile` (build.sh), with gemm_coop's bindings: x, w and the bias
-/// at 0, 1 and 2, y at 3, the parameters at 4.
-fn fragment_gemm_pipeline(
-    device: &wgpu::Device,
-    spirv: &[u8],
-    tile: CoopTile,
-) -> wgpu::ComputePipeline {
-    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-        label: Some("gemm_fragments"),
-        entries: &[
-            storage_entry(0, true),
-            storage_entry(1, true),
-            storage_entry(2, true),
-            storage_entry(3, false),
-            wgpu::BindGroupLayoutEntry {
-                binding: 4,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Uniform,
-                    has_dynamic_offset: false,
-                    min_binding_size: None,
-                },
-                count: None,
-            },
-        ],
-    });
-    passthrough_pipeline(device, &layout, "gemm_fragments", spirv, tile.threads())
 }
 
 /// `attention_fragments` with attention_coop's bindings: the QKV buffer (f16) at 0 and again
@@ -1092,10 +1038,6 @@ pub struct GpuVisionOptions {
     /// the device and the tower allow it, else `Wgsl` runs; [`GpuVisionEncoder::options`] says
     /// which was built.
     pub coop_attention: CoopAttention,
-    /// The GLSL tensor-core GEMM (`gemm_fragments.comp`) at the default blockings instead of
-    /// `gemm_coop`: taken only with `CoopAttention::Fragments` taken (the same device
-    /// checks), f16 weights, no forced blocking, and every GEMM's k a multiple of 32.
-    pub glsl_gemm: bool,
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
@@ -1142,7 +1084,6 @@ impl GpuVisionOptions {
                 coop_tile: None,
                 mx_weights: None,
                 coop_attention: CoopAttention::Wgsl,
-                glsl_gemm: false,
             }
         } else {
             GpuVisionOptions::default()
@@ -1361,17 +1302,6 @@ impl GpuVisionEncoder {
         if !fragments {
             options.coop_attention = CoopAttention::Wgsl;
         }
-        // The GLSL GEMM's contract (gemm_fragments.comp): k a multiple of 32 at every GEMM (the
-        // patch embedding, QKV, O, fc1, fc2, the connector), f16 weights, both blockings.
-        let glsl_gemm = fragments
-            && options.glsl_gemm
-            && options.mx_weights.is_none()
-            && options.coop_tile.is_none()
-            && coop_gemms.wide.is_some()
-            && [pp, h, c.intermediate, h * c.scale_factor * c.scale_factor]
-                .iter()
-                .all(|k| k.is_multiple_of(32));
-        options.glsl_gemm = glsl_gemm;
         // Attention workgroups take 64 queries (4 subgroups of 16) sharing each staged K and V
         // block. With 2 subgroups attention took 4.5 against 3.3 ms per SigLIP-B/16-512 image
         // on an H200 (`vit_bench -- b16-512 gpu 30 coop tiled profile`, before the softmax's
@@ -1479,18 +1409,6 @@ impl GpuVisionEncoder {
         }
         if fragments {
             pipelines[ATTENTION_FRAGMENTS] = Some(fragment_attention_pipeline(device));
-        }
-        if glsl_gemm {
-            pipelines[GEMM_COOP] = Some(fragment_gemm_pipeline(
-                device,
-                GEMM_FRAGMENTS_SMALL_SPV,
-                CoopTile::SMALL,
-            ));
-            pipelines[GEMM_COOP_WIDE] = Some(fragment_gemm_pipeline(
-                device,
-                GEMM_FRAGMENTS_WIDE_SPV,
-                CoopTile::WIDE,
-            ));
         }
         let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
@@ -2118,10 +2036,6 @@ mod tests {
                 "fragment_probe.comp",
                 include_str!("shaders/glsl/fragment_probe.comp"),
             ),
-            (
-                "gemm_fragments.comp",
-                include_str!("shaders/glsl/gemm_fragments.comp"),
-            ),
         ];
         let record = include_str!("shaders/glsl/SOURCES.sha256");
         let mut checked = 0;
@@ -2146,13 +2060,8 @@ mod tests {
             );
             checked += 1;
         }
-        assert_eq!(checked, 4, "a record per module");
-        for spirv in [
-            super::ATTENTION_FRAGMENTS_SPV,
-            super::FRAGMENT_PROBE_SPV,
-            super::GEMM_FRAGMENTS_SMALL_SPV,
-            super::GEMM_FRAGMENTS_WIDE_SPV,
-        ] {
+        assert_eq!(checked, sources.len());
+        for spirv in [super::ATTENTION_FRAGMENTS_SPV, super::FRAGMENT_PROBE_SPV] {
             assert_eq!(spirv[..4], 0x0723_0203u32.to_le_bytes());
         }
     }

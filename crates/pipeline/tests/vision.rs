@@ -427,21 +427,6 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                     "fragment attention ({image_size}px) differs by {rel}"
                 );
                 encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
-                // And the GLSL GEMM with it.
-                let options = pipeline::vision_gpu::GpuVisionOptions {
-                    glsl_gemm: true,
-                    ..options
-                };
-                let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-                assert!(gpu.options().glsl_gemm, "{:?}", gpu.options());
-                let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
-                let (rel, rel_wgsl) = (rel_diff(&got, &want), rel_diff(&got, &wgsl));
-                eprintln!(
-                    "coop encoder ({image_size}px, GLSL GEMM and attention) vs CPU: {rel}, vs \
-                     WGSL: {rel_wgsl}"
-                );
-                assert!(rel < 2e-2, "GLSL GEMM ({image_size}px) differs by {rel}");
-                encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
             }
             Err(why) => {
                 eprintln!("fragment attention not run: {why}");
@@ -747,7 +732,6 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
             coop_tile: None,
             mx_weights: Some(format),
             coop_attention: Default::default(),
-            glsl_gemm: false,
         };
         let gpu =
             pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
@@ -788,7 +772,6 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
         coop_tile: None,
         mx_weights: None,
         coop_attention: Default::default(),
-        glsl_gemm: false,
     };
     let gpu =
         pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
@@ -820,7 +803,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
-            glsl_gemm: false,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
@@ -828,7 +810,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
-            glsl_gemm: false,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -836,7 +817,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
-            glsl_gemm: false,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -844,7 +824,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
-            glsl_gemm: false,
         },
     ] {
         let gpu =
@@ -915,7 +894,6 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
-            glsl_gemm: false,
         };
         let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
         for (k, (share, image)) in outputs.iter().zip(&images).enumerate() {

@@ -17,8 +17,6 @@ spirv_val=${SPIRV_VAL:-spirv-val}
 modules=(
   "attention_fragments attention_fragments.comp -DQSUB=4"
   "fragment_probe fragment_probe.comp"
-  "gemm_fragments_small gemm_fragments.comp -DBM=64 -DBN=64 -DTM=2 -DTN=2 -DPF=4"
-  "gemm_fragments_wide gemm_fragments.comp -DBM=128 -DBN=128 -DTM=4 -DTN=2 -DPF=4"
 )
 : > SOURCES.sha256
 for m in "${modules[@]}"; do
