@@ -354,8 +354,8 @@ pub enum CoopAttention {
 
 /// Whether `device` runs [`CoopAttention::Fragments`]: it was opened with the tensor-core
 /// features ([`coop_features`]) and SPIR-V passthrough, has the workgroup memory, and its
-/// 16x16 f32 accumulator is laid out as the kernel assumes (8 elements per invocation in at
-/// most 2 rows, the 4 invocations of each aligned group holding the same 2 rows), which a probe
+/// 16x16 f32 accumulator is laid out as the kernel assumes (8 elements per invocation in 2
+/// rows, the 4 invocations of each aligned group holding the same 2 rows), which a probe
 /// dispatch on `queue` shows (it waits for the device).
 ///
 /// # Errors

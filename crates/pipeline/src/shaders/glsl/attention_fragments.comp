@@ -12,9 +12,9 @@
 // every element is its row number, with the accumulators' type and use, so `rows[i]` is the
 // row of element i of every accumulator here. What the kernel does assume, and what
 // `vision_gpu::fragment_attention_support` checks on the device before it is used: an
-// accumulator has 8 elements per invocation, an invocation's elements lie in at most 2 rows,
-// and the 4 invocations of each aligned group (lane / 4) hold the same 2 rows, all 16 columns
-// of them (so a row's max and sum are two shuffles away). NVIDIA's 16x16 f32 accumulator is
+// accumulator has 8 elements per invocation, an invocation's elements lie in 2 rows, and
+// the 4 invocations of each aligned group (lane / 4) hold the same 2 rows, all 16 columns of
+// them (so a row's max and sum are two shuffles away). NVIDIA's 16x16 f32 accumulator is
 // laid out so.
 //
 // A workgroup takes 16 * QSUB queries of one head (16 per subgroup) and walks all keys in
