@@ -1125,8 +1125,19 @@ fn work_submitted_ahead_waits_for(source: &str) {
         assert_eq!(report.host_waits_per_frame(1), 0.0);
         Some((report.frames_submitted_ahead, replies))
     };
-    let Some((ahead, with)) = run(true) else {
-        return;
+    // A frame is submitted ahead only when the host is ahead of the source's clock, which a
+    // loaded machine may not be for a whole run (a debug build on 2 busy cores, once): such a
+    // run tests nothing, so it is repeated, up to 3 times.
+    let mut tries = 0;
+    let (ahead, with) = loop {
+        let Some((ahead, with)) = run(true) else {
+            return;
+        };
+        tries += 1;
+        if ahead > 0 || tries == 3 {
+            break (ahead, with);
+        }
+        eprintln!("{source}: no frame was submitted ahead in run {tries}; running again");
     };
     let (behind, without) = run(false).unwrap();
     assert!(
