@@ -143,8 +143,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
             if gemm == pipeline::vision_gpu::GemmKernel::Coop && !wgsl_attention {
                 match pipeline::vision_gpu::fragment_attention_support(&device, &queue) {
-                    Ok(()) => {
-                        options.coop_attention = pipeline::vision_gpu::CoopAttention::Fragments;
+                    Ok(layout) => {
+                        options.coop_attention =
+                            pipeline::vision_gpu::CoopAttention::Fragments(layout);
                     }
                     Err(why) => eprintln!("fragment attention not taken: {why}"),
                 }

@@ -152,7 +152,7 @@ const LINEAR_REG_F16: usize = 14;
 // GPU: present with `Coop` unless `coop_tile` forces one blocking for all.
 const GEMM_COOP_WIDE: usize = 15;
 // The tensor-core attention with its softmax in the accumulator fragments (GLSL,
-// shaders/glsl/attention_fragments.comp): present with `CoopAttention::Fragments`.
+// shaders/glsl/attention_fragments.comp): present with `CoopAttention::Fragments(_)`.
 const ATTENTION_FRAGMENTS: usize = 16;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
@@ -337,6 +337,12 @@ const FRAGMENT_WORKGROUP_BYTES: u32 = 2 * 2 * 64 * 18 * 8 + 4 * 16 * 72 * 2;
 const ATTENTION_FRAGMENTS_SPV: &[u8] = include_bytes!("shaders/glsl/attention_fragments.spv");
 const FRAGMENT_PROBE_SPV: &[u8] = include_bytes!("shaders/glsl/fragment_probe.spv");
 
+/// What [`fragment_attention_support`] returns where the device's accumulators are laid out as
+/// the fragment attention assumes: the only way to ask for [`CoopAttention::Fragments`], so the
+/// kernel is never chosen on a device that was not probed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FragmentLayout(());
+
 /// Which tensor-core attention kernel a `Coop` tower runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CoopAttention {
@@ -349,7 +355,7 @@ pub enum CoopAttention {
     /// goes through workgroup memory. Heads of 64 dimensions, on a device where
     /// [`fragment_attention_support`] holds (it needs `PASSTHROUGH_SHADERS`, which
     /// [`device_descriptor`] requests where offered); elsewhere `Wgsl` runs.
-    Fragments,
+    Fragments(FragmentLayout),
 }
 
 /// Whether `device` runs [`CoopAttention::Fragments`]: it was opened with the tensor-core
@@ -363,24 +369,8 @@ pub enum CoopAttention {
 pub fn fragment_attention_support(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
-) -> Result<(), String> {
-    let needed = COOP_FEATURES | wgpu::Features::PASSTHROUGH_SHADERS;
-    if !device.features().contains(needed) {
-        return Err(format!(
-            "the device was opened without {:?}",
-            needed - device.features()
-        ));
-    }
-    let limits = device.limits();
-    if limits.max_compute_workgroup_storage_size < FRAGMENT_WORKGROUP_BYTES
-        || limits.max_compute_invocations_per_workgroup < 128
-    {
-        return Err(format!(
-            "the kernel needs {FRAGMENT_WORKGROUP_BYTES} bytes of workgroup memory and 128 \
-             invocations per workgroup; the device offers {} and {}",
-            limits.max_compute_workgroup_storage_size, limits.max_compute_invocations_per_workgroup
-        ));
-    }
+) -> Result<FragmentLayout, String> {
+    fragment_attention_fits(device)?;
     let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
         label: Some("fragment probe"),
         entries: &[storage_entry(0, false)],
@@ -426,7 +416,30 @@ pub fn fragment_attention_support(
         bytemuck::cast_slice(&view).to_vec()
     };
     read.unmap();
-    check_fragment_layout(&values)
+    check_fragment_layout(&values).map(|()| FragmentLayout(()))
+}
+
+/// Whether `device` was opened with what the fragment attention needs (the tensor-core
+/// features and SPIR-V passthrough) and offers its workgroup memory and size.
+fn fragment_attention_fits(device: &wgpu::Device) -> Result<(), String> {
+    let needed = COOP_FEATURES | wgpu::Features::PASSTHROUGH_SHADERS;
+    if !device.features().contains(needed) {
+        return Err(format!(
+            "the device was opened without {:?}",
+            needed - device.features()
+        ));
+    }
+    let limits = device.limits();
+    if limits.max_compute_workgroup_storage_size < FRAGMENT_WORKGROUP_BYTES
+        || limits.max_compute_invocations_per_workgroup < 128
+    {
+        return Err(format!(
+            "the kernel needs {FRAGMENT_WORKGROUP_BYTES} bytes of workgroup memory and 128 \
+             invocations per workgroup; the device offers {} and {}",
+            limits.max_compute_workgroup_storage_size, limits.max_compute_invocations_per_workgroup
+        ));
+    }
+    Ok(())
 }
 
 /// Checks the probe's output (`fragment_probe.comp`: position p of the row-major 16x16 matrix
@@ -1289,16 +1302,12 @@ impl GpuVisionEncoder {
         }
         // The fragment attention's contract (attention_fragments.comp): heads of 64, the patch
         // count a multiple of 64 (coop_fits), and a device with passthrough and the workgroup
-        // memory. Whether the device's accumulator layout is the one the kernel assumes is
-        // `fragment_attention_support`'s probe, which whoever asks for `Fragments` has run.
+        // memory. The accumulator layout it assumes is what asking for `Fragments` takes a
+        // `FragmentLayout` for: `fragment_attention_support`'s probe has shown it.
         let fragments = coop
-            && options.coop_attention == CoopAttention::Fragments
+            && matches!(options.coop_attention, CoopAttention::Fragments(_))
             && hd == 64
-            && device
-                .features()
-                .contains(wgpu::Features::PASSTHROUGH_SHADERS)
-            && limits.max_compute_workgroup_storage_size >= FRAGMENT_WORKGROUP_BYTES
-            && limits.max_compute_invocations_per_workgroup >= 128;
+            && fragment_attention_fits(device).is_ok();
         if !fragments {
             options.coop_attention = CoopAttention::Wgsl;
         }

@@ -404,18 +404,21 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
         // The fragment attention (heads of 64 here), where the device's accumulators are laid
         // out for it; NVIDIA's are, so there it must run.
         match pipeline::vision_gpu::fragment_attention_support(&gpu_device.0, &gpu_device.1) {
-            Ok(()) => {
+            Ok(layout) => {
                 let wgsl = encode_on_gpu(
                     &gpu_device,
                     &GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap(),
                     &pixels,
                 );
                 let options = pipeline::vision_gpu::GpuVisionOptions {
-                    coop_attention: CoopAttention::Fragments,
+                    coop_attention: CoopAttention::Fragments(layout),
                     ..options
                 };
                 let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-                assert_eq!(gpu.options().coop_attention, CoopAttention::Fragments);
+                assert_eq!(
+                    gpu.options().coop_attention,
+                    CoopAttention::Fragments(layout)
+                );
                 let got = encode_on_gpu(&gpu_device, &gpu, &pixels);
                 let (rel, rel_wgsl) = (rel_diff(&got, &want), rel_diff(&got, &wgsl));
                 eprintln!(

@@ -423,9 +423,9 @@ impl GpuContext {
         // The fragment attention where the device's accumulators are laid out for it; where
         // not, the WGSL tensor-core attention runs, as before.
         if vision_options.gemm == crate::vision_gpu::GemmKernel::Coop
-            && crate::vision_gpu::fragment_attention_support(&device, &queue).is_ok()
+            && let Ok(layout) = crate::vision_gpu::fragment_attention_support(&device, &queue)
         {
-            vision_options.coop_attention = crate::vision_gpu::CoopAttention::Fragments;
+            vision_options.coop_attention = crate::vision_gpu::CoopAttention::Fragments(layout);
         }
         let completion = sync_timeline::vulkan::VulkanTimeline::from_wgpu(&device, 0)
             .map_err(|e| format!("creating the GPU stages' completion timeline: {e}"))?;
