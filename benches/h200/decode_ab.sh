@@ -10,7 +10,8 @@
 #
 # Both are release builds from this machine (`cargo build --release -p pipeline --bin
 # pipeline`, stripped; xz them to carry more in one call). Written for issue 15's
-# `Device::row_argmax` A/B (the peer: the build before it), not yet run on the H200.
+# `Device::row_argmax` A/B (the peer: the build before it); run on an H100 on 2026-12-07
+# (results/2026-12-07-decode-ab-h100.log), not yet on the H200.
 set -uo pipefail
 old=${1:?usage: decode_ab.sh OLD_PIPELINE NEW_PIPELINE [ROUNDS]}
 new=${2:?usage: decode_ab.sh OLD_PIPELINE NEW_PIPELINE [ROUNDS]}
