@@ -62,7 +62,8 @@ pub mod v4l2;
 
 pub use format::{FrameDesc, MAX_DIMENSION, PixelFormat, Plane};
 pub use source::{
-    Frame, FrameSource, ImageSource, Pacing, PatternSource, SourceOptions, Y4mSource, open_source,
+    FRAME_RATES, Frame, FrameSource, ImageSource, Pacing, PatternSource, SourceOptions, Y4mSource,
+    open_source,
 };
 
 /// Why a source or the ISP refused.

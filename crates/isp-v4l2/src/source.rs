@@ -78,6 +78,25 @@ pub trait FrameSource: Send {
 }
 
 /// A pool of [`DEFAULT_POOL_FRAMES`] buffers of `bytes` from the default allocator.
+/// The frame rates a source accepts, in frames per second: from one frame a day to a million
+/// a second. Outside it, pacing and timestamps stop meaning anything (a frame due after the end
+/// of `Instant`'s range), so a rate from a file or a flag is refused here rather than trusted.
+pub const FRAME_RATES: std::ops::RangeInclusive<f64> = (1.0 / 86_400.0)..=1e6;
+
+fn check_frame_rate(rate: f64) -> Result<(), Error> {
+    if FRAME_RATES.contains(&rate) {
+        Ok(())
+    } else {
+        Err(Error::BadFrame {
+            what: format!(
+                "frame rate {rate} is outside the supported {}..={} frames per second",
+                FRAME_RATES.start(),
+                FRAME_RATES.end()
+            ),
+        })
+    }
+}
+
 fn default_pool(bytes: usize) -> Result<FramePool, Error> {
     let allocator = Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?;
     Ok(FramePool::new(allocator, bytes, DEFAULT_POOL_FRAMES))
@@ -115,16 +134,18 @@ impl Clock {
         }
     }
 
+    /// When frame `sequence` is due after the first. The rate is within [`FRAME_RATES`], so this
+    /// only saturates for sequence numbers no stream reaches; it never panics.
     fn timestamp(&self, sequence: u64) -> Duration {
-        Duration::from_secs_f64(sequence as f64 / self.rate)
+        Duration::try_from_secs_f64(sequence as f64 / self.rate).unwrap_or(Duration::MAX)
     }
 
     /// Waits until frame `sequence` is due (real-time pacing).
     fn pace(&mut self, sequence: u64) {
         let start = *self.start.get_or_insert_with(Instant::now);
         if self.pacing == Pacing::RealTime {
-            let due = start + self.timestamp(sequence);
-            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            let due = start.checked_add(self.timestamp(sequence));
+            if let Some(wait) = due.and_then(|due| due.checked_duration_since(Instant::now())) {
                 std::thread::sleep(wait);
             }
         }
@@ -262,11 +283,7 @@ impl PatternSource {
                 what: "RGB24 patterns (the pattern source makes YUV)",
             });
         }
-        if !(rate.is_finite() && rate > 0.0) {
-            return Err(Error::BadFrame {
-                what: format!("frame rate {rate} must be positive"),
-            });
-        }
+        check_frame_rate(rate)?;
         let desc = FrameDesc::new(width, height, format)?;
         Ok(PatternSource {
             desc,
@@ -487,11 +504,21 @@ impl<R: BufRead + Send> Y4mSource<R> {
         };
         let desc = FrameDesc::new(decoder.get_width(), decoder.get_height(), format)?;
         let r = decoder.get_framerate();
+        // `F0:0` (or any zero term) is the format's "rate unknown".
         let rate = if r.num > 0 && r.den > 0 {
             r.num as f64 / r.den as f64
         } else {
             30.0
         };
+        check_frame_rate(rate).map_err(|_| Error::Y4m {
+            what: format!(
+                "frame rate F{}:{} is {rate} frames per second, outside the supported {}..={}",
+                r.num,
+                r.den,
+                FRAME_RATES.start(),
+                FRAME_RATES.end()
+            ),
+        })?;
         Ok(Y4mSource {
             decoder,
             consumed,
@@ -671,11 +698,7 @@ impl ImageSource {
             std::fs::metadata(path).map_err(io)?;
             vec![path.to_owned()]
         };
-        if !(rate.is_finite() && rate > 0.0) {
-            return Err(Error::BadFrame {
-                what: format!("frame rate {rate} must be positive"),
-            });
-        }
+        check_frame_rate(rate)?;
         let mut source = ImageSource {
             paths,
             desc: None,

@@ -419,10 +419,13 @@ impl V4l2Source {
                 numerator: 1,
                 denominator: fps,
             };
-            // A driver that cannot set the rate keeps its own; the source then reports none.
+            // A driver that cannot set the rate keeps its own; the source then reports none, as
+            // it does for an answer outside the rates a source supports.
             if let Ok(interval) = ioctl::vidioc_s_parm(fd, asked) {
                 let (n, d) = (interval.numerator, interval.denominator);
-                rate = (n > 0 && d > 0).then(|| f64::from(d) / f64::from(n));
+                rate = (n > 0 && d > 0)
+                    .then(|| f64::from(d) / f64::from(n))
+                    .filter(|r| crate::source::FRAME_RATES.contains(r));
             }
         }
         let memory = match config.memory {
@@ -737,7 +740,7 @@ impl FrameSource for V4l2Source {
             .rate
             .map_or(Duration::ZERO, |r| Duration::from_secs_f64(1.0 / r));
         let (sequence, timestamp) = match self.last {
-            Some((s, t)) => (s + 1, t + interval),
+            Some((s, t)) => (s + 1, t.saturating_add(interval)),
             None => (0, Duration::ZERO),
         };
         let slot = &self.slots[index];

@@ -242,6 +242,63 @@ fn bad_y4m_streams_are_clear_errors() {
         Y4mSource::new(Cursor::new(odd), Pacing::AsFastAsPossible),
         Err(Error::BadFrame { .. })
     ));
+    // A rate of one frame in 1.1e19 seconds: the second frame's timestamp overflowed
+    // `Duration` and panicked (found by `cargo xtask fuzz`, CI 2026-12-07).
+    let slow = b"YUV4MPEG2 W8 H4 F1:11111111111111111111\nFRAME\n".to_vec();
+    let err = Y4mSource::new(Cursor::new(slow), Pacing::AsFastAsPossible).unwrap_err();
+    assert!(
+        matches!(&err, Error::Y4m { what } if what.contains("F1:11111111111111111111")),
+        "{err}"
+    );
+    let fast = b"YUV4MPEG2 W8 H4 F4294967295:1\n".to_vec();
+    assert!(Y4mSource::new(Cursor::new(fast), Pacing::AsFastAsPossible).is_err());
+}
+
+/// The fuzzer's crash input (CI 2026-12-07), byte for byte: a clear error or frames, never a
+/// panic.
+#[test]
+fn y4m_fuzz_reproducer_is_handled() {
+    let crash: &[u8] =
+        b"YUV4MPEG2 W8 H4 F1:11111111111111111111\nFRAME \x06\x00\x00\x00\npegBRAME\x00\n\x01\
+      \x02\x00\x00\x00\x00\x00\x00\x00\x00F30:1 Ipeg\x02FRAME \n+\x00\x01\x00\x00\x00peg\n\
+      FRAME\npRAME\n$\x01\x02\x00\x00 F\x00@\x00\x003 &pIUV4MPEG2 W8 H4 F30:1 Ipeg\nFRAME \
+      \x00\npe F000000000000000003978RM\x00\x00\x00F30:1\xeaIpeg\x02FR\x00\x01\x00\x00\x00";
+    assert!(matches!(
+        Y4mSource::new(Cursor::new(crash.to_vec()), Pacing::AsFastAsPossible),
+        Err(Error::Y4m { .. })
+    ));
+}
+
+#[test]
+fn frame_rates_outside_the_supported_range_are_refused() {
+    for rate in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e-30, 1e30] {
+        let err = PatternSource::new(
+            8,
+            4,
+            PixelFormat::I420,
+            rate,
+            Pacing::AsFastAsPossible,
+            None,
+        )
+        .err()
+        .unwrap_or_else(|| panic!("rate {rate} was accepted"));
+        assert!(matches!(err, Error::BadFrame { .. }), "{err}");
+    }
+    for rate in [
+        *isp_v4l2::FRAME_RATES.start(),
+        30.0,
+        *isp_v4l2::FRAME_RATES.end(),
+    ] {
+        PatternSource::new(
+            8,
+            4,
+            PixelFormat::I420,
+            rate,
+            Pacing::AsFastAsPossible,
+            None,
+        )
+        .unwrap();
+    }
 }
 
 #[test]
