@@ -77,7 +77,6 @@ pub trait FrameSource: Send {
     }
 }
 
-/// A pool of [`DEFAULT_POOL_FRAMES`] buffers of `bytes` from the default allocator.
 /// The frame rates a source accepts, in frames per second: from one frame a day to a million
 /// a second. Outside it, pacing and timestamps stop meaning anything (a frame due after the end
 /// of `Instant`'s range), so a rate from a file or a flag is refused here rather than trusted.
@@ -97,6 +96,7 @@ fn check_frame_rate(rate: f64) -> Result<(), Error> {
     }
 }
 
+/// A pool of [`DEFAULT_POOL_FRAMES`] buffers of `bytes` from the default allocator.
 fn default_pool(bytes: usize) -> Result<FramePool, Error> {
     let allocator = Allocator::new(AllocatorDesc::default()).map_err(Error::Memory)?;
     Ok(FramePool::new(allocator, bytes, DEFAULT_POOL_FRAMES))

@@ -230,6 +230,32 @@ fn a_y4m_header_declaring_a_huge_frame_is_a_named_error() {
     );
 }
 
+/// One frame in 1.1e19 seconds: the second frame's timestamp overflowed `Duration` and
+/// panicked (`cargo xtask fuzz` in CI, 2026-12-07).
+#[test]
+fn a_y4m_header_declaring_an_absurd_frame_rate_is_a_named_error() {
+    let path = scratch("slow.y4m");
+    let mut data = b"YUV4MPEG2 W8 H4 F1:11111111111111111111 C420jpeg\n".to_vec();
+    for _ in 0..3 {
+        data.extend_from_slice(b"FRAME\n");
+        data.extend_from_slice(&[16; 48]);
+    }
+    std::fs::write(&path, data).unwrap();
+    refuses(
+        &[
+            "isp",
+            "--source",
+            &format!("file:{}", path.display()),
+            "--out",
+            scratch("slow.png").to_str().unwrap(),
+        ],
+        &[
+            "frame rate F1:11111111111111111111",
+            "outside the supported",
+        ],
+    );
+}
+
 #[test]
 fn a_png_header_declaring_a_huge_image_is_a_named_error() {
     // A PNG signature and an IHDR chunk claiming 100000x100000 RGB8, then nothing.
