@@ -82,16 +82,16 @@ pub trait FrameSource: Send {
 /// of `Instant`'s range), so a rate from a file or a flag is refused here rather than trusted.
 pub const FRAME_RATES: std::ops::RangeInclusive<f64> = (1.0 / 86_400.0)..=1e6;
 
+/// [`FRAME_RATES`] in words, for errors.
+const FRAME_RATES_TEXT: &str =
+    "the supported frame rates, one frame a day (1/86400) to 1000000 frames per second";
+
 fn check_frame_rate(rate: f64) -> Result<(), Error> {
     if FRAME_RATES.contains(&rate) {
         Ok(())
     } else {
         Err(Error::BadFrame {
-            what: format!(
-                "frame rate {rate} is outside the supported {}..={} frames per second",
-                FRAME_RATES.start(),
-                FRAME_RATES.end()
-            ),
+            what: format!("frame rate {rate} is outside {FRAME_RATES_TEXT}"),
         })
     }
 }
@@ -512,11 +512,8 @@ impl<R: BufRead + Send> Y4mSource<R> {
         };
         check_frame_rate(rate).map_err(|_| Error::Y4m {
             what: format!(
-                "frame rate F{}:{} is {rate} frames per second, outside the supported {}..={}",
-                r.num,
-                r.den,
-                FRAME_RATES.start(),
-                FRAME_RATES.end()
+                "frame rate F{}:{} is outside {FRAME_RATES_TEXT}",
+                r.num, r.den
             ),
         })?;
         Ok(Y4mSource {

@@ -254,8 +254,8 @@ fn bad_y4m_streams_are_clear_errors() {
     assert!(Y4mSource::new(Cursor::new(fast), Pacing::AsFastAsPossible).is_err());
 }
 
-/// The fuzzer's crash input (CI 2026-12-07), byte for byte: a clear error or frames, never a
-/// panic.
+/// The fuzzer's crash input (CI 2026-12-07), byte for byte: it panicked at its second frame's
+/// timestamp; its header is now refused by name.
 #[test]
 fn y4m_fuzz_reproducer_is_handled() {
     let crash: &[u8] =

@@ -249,10 +249,7 @@ fn a_y4m_header_declaring_an_absurd_frame_rate_is_a_named_error() {
             "--out",
             scratch("slow.png").to_str().unwrap(),
         ],
-        &[
-            "frame rate F1:11111111111111111111",
-            "outside the supported",
-        ],
+        &["frame rate F1:11111111111111111111"],
     );
 }
 
