@@ -80,18 +80,26 @@ pub trait FrameSource: Send {
 /// The frame rates a source accepts, in frames per second: from one frame a day to a million
 /// a second. Outside it, pacing and timestamps stop meaning anything (a frame due after the end
 /// of `Instant`'s range), so a rate from a file or a flag is refused here rather than trusted.
-pub const FRAME_RATES: std::ops::RangeInclusive<f64> = (1.0 / 86_400.0)..=1e6;
+pub const FRAME_RATES: std::ops::RangeInclusive<f64> =
+    (1.0 / SLOWEST_FRAME_INTERVAL_S as f64)..=FASTEST_FRAME_RATE as f64;
+/// [`FRAME_RATES`]' ends: one frame a day, a million frames a second.
+const SLOWEST_FRAME_INTERVAL_S: u32 = 86_400;
+const FASTEST_FRAME_RATE: u32 = 1_000_000;
 
 /// [`FRAME_RATES`] in words, for errors.
-const FRAME_RATES_TEXT: &str =
-    "the supported frame rates, one frame a day (1/86400) to 1000000 frames per second";
+fn frame_rates_text() -> String {
+    format!(
+        "the supported frame rates, one frame in {SLOWEST_FRAME_INTERVAL_S} s to \
+         {FASTEST_FRAME_RATE} frames per second"
+    )
+}
 
 fn check_frame_rate(rate: f64) -> Result<(), Error> {
     if FRAME_RATES.contains(&rate) {
         Ok(())
     } else {
         Err(Error::BadFrame {
-            what: format!("frame rate {rate} is outside {FRAME_RATES_TEXT}"),
+            what: format!("frame rate {rate} is outside {}", frame_rates_text()),
         })
     }
 }
@@ -512,8 +520,10 @@ impl<R: BufRead + Send> Y4mSource<R> {
         };
         check_frame_rate(rate).map_err(|_| Error::Y4m {
             what: format!(
-                "frame rate F{}:{} is outside {FRAME_RATES_TEXT}",
-                r.num, r.den
+                "frame rate F{}:{} is outside {}",
+                r.num,
+                r.den,
+                frame_rates_text()
             ),
         })?;
         Ok(Y4mSource {

@@ -66,6 +66,20 @@ fn refuses(args: &[&str], expect: &[&str]) -> String {
     stderr
 }
 
+/// `pipeline isp` on the file at `source`, writing `out` in the scratch folder: as [`refuses`].
+fn isp_refuses(source: &std::path::Path, out: &str, expect: &[&str]) -> String {
+    refuses(
+        &[
+            "isp",
+            "--source",
+            &format!("file:{}", source.display()),
+            "--out",
+            scratch(out).to_str().unwrap(),
+        ],
+        expect,
+    )
+}
+
 /// The tiny GGUF with `llama.block_count` rewritten to `value`.
 fn gguf_with_block_count(value: u32) -> PathBuf {
     let mut bytes = std::fs::read(fixture("tiny-llama/tiny.gguf")).unwrap();
@@ -218,16 +232,7 @@ fn a_y4m_header_declaring_a_huge_frame_is_a_named_error() {
         b"YUV4MPEG2 W100000 H100000 F30:1 C420jpeg\nFRAME\n\x10\x10",
     )
     .unwrap();
-    refuses(
-        &[
-            "isp",
-            "--source",
-            &format!("file:{}", path.display()),
-            "--out",
-            scratch("huge.png").to_str().unwrap(),
-        ],
-        &["larger than the 256 MiB limit"],
-    );
+    isp_refuses(&path, "huge.png", &["larger than the 256 MiB limit"]);
 }
 
 /// One frame in 1.1e19 seconds: the second frame's timestamp overflowed `Duration` and
@@ -241,16 +246,7 @@ fn a_y4m_header_declaring_an_absurd_frame_rate_is_a_named_error() {
         data.extend_from_slice(&[16; 48]);
     }
     std::fs::write(&path, data).unwrap();
-    refuses(
-        &[
-            "isp",
-            "--source",
-            &format!("file:{}", path.display()),
-            "--out",
-            scratch("slow.png").to_str().unwrap(),
-        ],
-        &["frame rate F1:11111111111111111111"],
-    );
+    isp_refuses(&path, "slow.png", &["frame rate F1:11111111111111111111"]);
 }
 
 #[test]
@@ -267,16 +263,7 @@ fn a_png_header_declaring_a_huge_image_is_a_named_error() {
     png.extend(crc.to_be_bytes());
     let path = scratch("huge.png");
     std::fs::write(&path, png).unwrap();
-    refuses(
-        &[
-            "isp",
-            "--source",
-            &format!("file:{}", path.display()),
-            "--out",
-            scratch("huge-out.png").to_str().unwrap(),
-        ],
-        &["larger than", "limit"],
-    );
+    isp_refuses(&path, "huge-out.png", &["larger than", "limit"]);
 }
 
 #[test]
