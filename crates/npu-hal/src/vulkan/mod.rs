@@ -2003,10 +2003,9 @@ impl VulkanNpu {
             vec![Resource::Tensor(k.0), Resource::Tensor(v.0)],
             vec![Resource::Kv],
         )?;
-        // The widest workgroup whose scratch fits in shared memory: the partial outputs, q,
-        // the reductions and this batch's staged keys (8 at most).
+        // The widest workgroup whose scratch fits in shared memory.
         let hd = l.head_dim as u32;
-        let shared = |wg: u32| (wg * (hd + 1) + hd + 2 * wg + 8 * hd) * 4;
+        let shared = |wg: u32| shaders::AttentionLanes::shared_bytes(wg, hd);
         let workgroup = [64, 32, 16]
             .into_iter()
             .find(|&wg| shared(wg) <= self.ctx.max_shared_bytes)

@@ -217,6 +217,37 @@ pub(crate) enum Kernel {
 pub(crate) const TENSOR_CORE_GEMM_SHARED_BYTES: u32 =
     2 * 2 * 64 * 10 * 8 + 4 * 256 * 4 + 16 + 128 * 4 + 64 * 4;
 
+/// How [`Kernel::Attention`]'s `workgroup` invocations share the products with V
+/// (`shaders/attention.wgsl`): groups of `lanes_per_group` lanes, each lane owning
+/// `pairs_per_lane` pairs of output elements, and `groups` such groups taking every
+/// `groups`-th key of a block (invocations past the last whole group idle there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct AttentionLanes {
+    pub lanes_per_group: u32,
+    pub groups: u32,
+    pub pairs_per_lane: u32,
+}
+
+impl AttentionLanes {
+    pub(crate) fn new(workgroup: u32, head_dim: u32) -> AttentionLanes {
+        let pairs = (head_dim / 2).max(1);
+        let lanes_per_group = workgroup.min(pairs);
+        AttentionLanes {
+            lanes_per_group,
+            groups: workgroup / lanes_per_group,
+            pairs_per_lane: pairs.div_ceil(lanes_per_group),
+        }
+    }
+
+    /// Workgroup memory [`Kernel::Attention`] declares: the query, 8 staged keys, the
+    /// block's probabilities and two reductions' partial results (`workgroup` each), and each
+    /// group's output.
+    pub(crate) fn shared_bytes(workgroup: u32, head_dim: u32) -> u32 {
+        let groups = AttentionLanes::new(workgroup, head_dim).groups;
+        4 * (head_dim + 8 * head_dim + 3 * workgroup + groups * head_dim)
+    }
+}
+
 /// Batch rows a split [`Kernel::Attention`] takes at most (the short-batch bound), which sizes
 /// its counters: one per layer, row and query head.
 pub(crate) const SPLIT_ROWS: u32 = 8;
@@ -380,12 +411,15 @@ impl Kernel {
                 stats,
                 splits,
             } => {
+                let v = AttentionLanes::new(workgroup, head_dim);
                 s.push_str(&format!(
                     "const WG: u32 = {workgroup}u;\nconst SPLITS: u32 = {splits}u;\n\
+                     const LPG: u32 = {}u;\nconst KG: u32 = {}u;\nconst PPL: u32 = {}u;\n\
                      const SPLIT_ROWS: u32 = {SPLIT_ROWS}u;\n\
                      @group(0) @binding(9) var<storage, read_write> partials: array<f32>;\n\
                      @group(0) @binding(10) var<storage, read_write> split_counters: \
-                     array<atomic<u32>>;\n"
+                     array<atomic<u32>>;\n",
+                    v.lanes_per_group, v.groups, v.pairs_per_lane
                 ));
                 attention(&mut s, kv, head_dim, rope, rope_q, rope_k, in_batch);
                 s.push_str(ATTENTION);

@@ -1,13 +1,19 @@
 // Causal grouped-query attention of each batch row over its sequence's KV pages (read through
 // the block table in the step buffer), one workgroup per (row, query head). Keys are found by
-// their index in the cache (which KV pruning compacts), rotations use positions. Each invocation
-// takes every WG-th key and keeps its own online softmax (max m, sum l, output acc), so keys
-// are scored and folded in parallel, with no barrier per key; one reduction across the
-// workgroup merges the partial results at the end. The module declares HD (head_dim), WG,
-// ROPE (0, or the pairing of a rotary embedding folded in: 1 interleaved, 2 half-split),
-// ROPE_Q (1: rotate q here), ROPE_K (1: rotate this batch's keys here) and INBATCH (1: keys of
-// this batch come from the k and v tensors, rounded to the page dtype as the KV write stores
-// them, so this kernel does not wait for that write) and SPLITS.
+// their index in the cache (which KV pruning compacts), rotations use positions. The module
+// declares HD (head_dim), WG, LPG, KG and PPL (below), ROPE (0, or the pairing of a rotary
+// embedding folded in: 1 interleaved, 2 half-split), ROPE_Q (1: rotate q here), ROPE_K (1:
+// rotate this batch's keys here), INBATCH (1: keys of this batch come from the k and v
+// tensors, rounded to the page dtype as the KV write stores them, so this kernel does not wait
+// for that write) and SPLITS.
+//
+// Keys go in blocks of WG. Each invocation scores one key of the block; the block's maximum
+// and sum are taken across the workgroup (subgroup shuffles, then workgroup memory), so the
+// online softmax (maximum m, sum l) advances a block at a time and is the same in every
+// invocation. The products with V are taken the other way round: an invocation owns pairs of
+// output elements (LPG lanes a group, each lane PPL pairs, LPG apart), and the KG groups take
+// every KG-th key of the block, so consecutive lanes read consecutive elements of a key's V
+// row and no invocation holds a whole output row. The groups' sums are added once, at the end.
 //
 // With SPLITS > 1 (decode, flash-decoding style) the keys of each (row, head) are cut into
 // SPLITS contiguous ranges, one workgroup each (grid z), so a head's keys are read by SPLITS
@@ -29,10 +35,12 @@ var<workgroup> qs: array<f32, HD>;
 // batches (the row kernel where the tiled one is not taken) rotate each key where it is scored.
 const STAGED_KEYS: u32 = 8u;
 var<workgroup> kb: array<f32, STAGED_KEYS * HD>;
+// The block's probabilities, then the subgroups' maxima and sums (at most WG subgroups).
+var<workgroup> probs: array<f32, WG>;
 var<workgroup> red_m: array<f32, WG>;
 var<workgroup> red_l: array<f32, WG>;
-// Each invocation's acc, with a stride of HD + 1 so the writes hit distinct banks.
-var<workgroup> accs: array<f32, WG * (HD + 1u)>;
+// Each V group's unnormalised output, added at the end.
+var<workgroup> group_out: array<f32, KG * HD>;
 // Whether this workgroup is the last of its (row, head) to finish (SPLITS > 1).
 var<workgroup> merges: u32;
 
@@ -68,7 +76,11 @@ fn key_score(j: u32, first: u32, cached: u32, kvh: u32, kvw: u32) -> f32 {
 }
 
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(subgroup_size) sg_size: u32,
+) {
     let row = wg.x;
     let h = wg.y;
     if (row >= step_n()) {
@@ -112,62 +124,101 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let per = (keys + SPLITS - 1u) / SPLITS;
     let lo = min(keys, wg.z * per);
     let hi = min(keys, lo + per);
+    // Reductions add within aligned runs of `width` lanes by shuffles, then across the runs
+    // through workgroup memory: a one-dimensional workgroup's subgroups are runs of
+    // consecutive invocations (as in linear_gemv.wgsl).
+    let width = min(WG, sg_size);
+    let runs = WG / width;
+    let group = lid / LPG;
+    let lane = lid % LPG;
     var m = -3.0e38;
     var l = 0.0;
-    var acc: array<f32, HD>;
-    for (var j = lo + lid; j < hi; j += WG) {
-        let s = key_score(j, first, cached, kvh, kvw);
-        let in_batch = INBATCH != 0u && j >= cached;
-        let block = step_block(j / pc.block_tokens);
-        let token = j % pc.block_tokens;
-        let base = (j - min(j, cached)) * kvw + kvh * HD;
-        let m_new = max(m, s);
+    var acc: array<vec2<f32>, PPL>;
+    for (var j0 = lo; j0 < hi; j0 += WG) {
+        let n = min(WG, hi - j0);
+        var s = -3.0e38;
+        if (lid < n) {
+            s = key_score(j0 + lid, first, cached, kvh, kvw);
+        }
+        var bm = s;
+        for (var mask = width / 2u; mask > 0u; mask >>= 1u) {
+            bm = max(bm, subgroupShuffleXor(bm, mask));
+        }
+        if (lid % width == 0u) {
+            red_m[lid / width] = bm;
+        }
+        workgroupBarrier();
+        var m_new = m;
+        for (var r = 0u; r < runs; r++) {
+            m_new = max(m_new, red_m[r]);
+        }
         let corr = exp(m - m_new);
-        let e = exp(s - m_new);
-        l = l * corr + e;
-        let vp = kv_page(block, 1u, kvh);
-        for (var p = 0u; p < HD / 2u; p++) {
-            var v2: vec2<f32>;
-            if (in_batch) {
-                v2 = as_stored(vec2<f32>(v[base + 2u * p], v[base + 2u * p + 1u]));
-            } else {
-                v2 = kv_pair(vp, token, p);
-            }
-            acc[2u * p] = acc[2u * p] * corr + e * v2.x;
-            acc[2u * p + 1u] = acc[2u * p + 1u] * corr + e * v2.y;
+        var e = 0.0;
+        if (lid < n) {
+            e = exp(s - m_new);
         }
+        probs[lid] = e;
+        var bl = e;
+        for (var mask = width / 2u; mask > 0u; mask >>= 1u) {
+            bl += subgroupShuffleXor(bl, mask);
+        }
+        if (lid % width == 0u) {
+            red_l[lid / width] = bl;
+        }
+        workgroupBarrier();
+        var block_sum = 0.0;
+        for (var r = 0u; r < runs; r++) {
+            block_sum += red_l[r];
+        }
+        l = l * corr + block_sum;
         m = m_new;
+        if (group < KG) {
+            for (var pp = 0u; pp < PPL; pp++) {
+                acc[pp] *= corr;
+            }
+            for (var i = group; i < n; i += KG) {
+                let j = j0 + i;
+                let pj = probs[i];
+                let in_batch = INBATCH != 0u && j >= cached;
+                let vp = kv_page(step_block(j / pc.block_tokens), 1u, kvh);
+                let token = j % pc.block_tokens;
+                let base = (j - min(j, cached)) * kvw + kvh * HD;
+                for (var pp = 0u; pp < PPL; pp++) {
+                    let p = lane + pp * LPG;
+                    if (p < HD / 2u) {
+                        var v2: vec2<f32>;
+                        if (in_batch) {
+                            v2 = as_stored(vec2<f32>(v[base + 2u * p], v[base + 2u * p + 1u]));
+                        } else {
+                            v2 = kv_pair(vp, token, p);
+                        }
+                        acc[pp] += pj * v2;
+                    }
+                }
+            }
+        }
+        // The next block rewrites probs, red_m and red_l.
+        workgroupBarrier();
     }
-    // Only the first `busy` invocations saw a key (a decode step's split range is often a
-    // handful of keys); the others hold m = -3e38, l = 0 and acc = 0, which would add exact
-    // zeros, so the reductions below skip them: the same sums, without up to WG serial
-    // workgroup-memory reads each.
-    let busy = min(WG, hi - lo);
-    red_m[lid] = m;
-    workgroupBarrier();
-    var mx = -3.0e38;
-    for (var t = 0u; t < busy; t++) {
-        mx = max(mx, red_m[t]);
-    }
-    let f = exp(m - mx);
-    red_l[lid] = l * f;
-    if (lid < busy) {
-        for (var d = 0u; d < HD; d++) {
-            accs[lid * (HD + 1u) + d] = acc[d] * f;
+    if (group < KG) {
+        for (var pp = 0u; pp < PPL; pp++) {
+            let p = lane + pp * LPG;
+            if (p < HD / 2u) {
+                group_out[group * HD + 2u * p] = acc[pp].x;
+                group_out[group * HD + 2u * p + 1u] = acc[pp].y;
+            }
         }
     }
     workgroupBarrier();
-    var total = 0.0;
-    for (var t = 0u; t < busy; t++) {
-        total += red_l[t];
-    }
+    let mx = m;
+    let total = l;
     // This split's partial result (SPLITS > 1). An empty range (a short context) leaves
     // mx = -3e38 and total = 0: weight 0 in the merge.
     let mine = ((row * pc.q_heads + h) * SPLITS + wg.z) * (HD + 2u);
     for (var d = lid; d < HD; d += WG) {
         var o = 0.0;
-        for (var t = 0u; t < busy; t++) {
-            o += accs[t * (HD + 1u) + d];
+        for (var g = 0u; g < KG; g++) {
+            o += group_out[g * HD + d];
         }
         if (SPLITS == 1u) {
             out[qrow + d] = o / total;
