@@ -14,7 +14,8 @@
 #   bash benches/h200/smollm2_checks.sh stash .h200a/smollm2.xz.00
 #   bash benches/h200/smollm2_checks.sh run .h200b/smollm2.xz [.h200b/smollm2.xz.01]
 # `run` joins the parts, decompresses them, checks the model's SHA-256 and runs the test
-# binary's GPU tests twice, NPU_HAL_TENSOR_CORES=1 and =0; their output (max and mean logit
+# binary's GPU tests twice, NPU_HAL_TENSOR_CORES=1 and =0, with CI=true (a test that finds no
+# GPU then fails instead of passing with a SKIPPED line); their output (max and mean logit
 # error, greedy ids agreeing, both perplexities) is the record. The model is left at
 # /tmp/SmolLM2-135M-Instruct.Q4_1.gguf for whatever the call runs next. The CPU-only tests of
 # that binary read fixtures at this checkout's absolute path and are not run there; CI runs
@@ -59,7 +60,7 @@ case "$mode" in
     echo "$apache_sha  $licence" | sha256sum -c -
     for cores in 1 0; do
       echo "== NPU_HAL_TENSOR_CORES=$cores"
-      NPU_HAL_TENSOR_CORES=$cores SMOLLM2_GGUF=$model "$bin" --ignored --test-threads=1 \
+      CI=true NPU_HAL_TENSOR_CORES=$cores SMOLLM2_GGUF=$model "$bin" --ignored --test-threads=1 \
         --nocapture smollm2_gpu
     done
     ;;

@@ -713,6 +713,18 @@ fn execute(planned: &Planned, timeout: Duration) -> Result<String, String> {
         return Err(format!("timed out after {timeout:?} and was killed"));
     };
     if status.success() && stdout.contains("test result: ok. 1 passed") {
+        // A test that found no device says so with a SKIPPED line and passes (cargo test's
+        // only way out): here its device was found, so that is a failure, never a pass.
+        if let Some(line) = stdout
+            .lines()
+            .chain(stderr.lines())
+            .find(|l| l.trim_start().starts_with("SKIPPED"))
+        {
+            return Err(format!(
+                "the test skipped itself although its device was found: {}",
+                line.trim()
+            ));
+        }
         let details: Vec<&str> = stdout
             .lines()
             .chain(stderr.lines())
@@ -957,6 +969,37 @@ mod tests {
                 t.name
             );
         }
+    }
+
+    /// A test that passed by skipping itself (its device was found, or it would not have
+    /// run) is a failure; one that ran passes with its details.
+    #[test]
+    fn a_test_that_skipped_itself_fails() {
+        let dir = std::env::temp_dir().join(format!("device-test-skip-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = |name: &str, stderr: &str| {
+            let exe = dir.join(name);
+            std::fs::write(
+                &exe,
+                format!("#!/bin/sh\necho '{stderr}' >&2\necho 'test result: ok. 1 passed'\n"),
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+            let planned = Planned {
+                test: TESTS[0],
+                executable: exe,
+                cwd: dir.clone(),
+            };
+            execute(&planned, Duration::from_secs(30))
+        };
+        let skipped = run("skips", "SKIPPED: no Vulkan device").unwrap_err();
+        assert!(skipped.contains("skipped itself"), "{skipped}");
+        assert_eq!(
+            run("runs", "device-test detail: 3 frames").unwrap(),
+            "3 frames"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A test the guest never reported is a failure, never silently missing.

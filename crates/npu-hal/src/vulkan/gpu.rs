@@ -7,6 +7,7 @@
 
 use std::ffi::CStr;
 use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
 
 use ash::vk;
 
@@ -63,8 +64,30 @@ pub(crate) struct Instance {
     entry: ash::Entry,
 }
 
+/// The process's one instance ([`Instance::shared`]), made on first use and kept.
+static SHARED_INSTANCE: Mutex<Option<Arc<Instance>>> = Mutex::new(None);
+
 impl Instance {
-    pub(crate) fn new() -> Result<Instance, Error> {
+    /// The process's instance: every device and probe shares it, and it lives until the
+    /// process ends, so the loader loads the driver once. NVIDIA's driver takes static TLS each
+    /// time the loader loads it, which glibc does not give back: a process that made and
+    /// destroyed an instance per device ran out after about a dozen (`gpu_vs_cpu` on an H100:
+    /// vkCreateInstance "Unable to find a Vulkan driver" from the twelfth test on, and every
+    /// test passing with `GLIBC_TUNABLES=glibc.rtld.optional_static_tls=262144`). A failure is
+    /// not kept: the next call tries again.
+    pub(crate) fn shared() -> Result<Arc<Instance>, Error> {
+        let mut slot = SHARED_INSTANCE
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(instance) = slot.as_ref() {
+            return Ok(Arc::clone(instance));
+        }
+        let instance = Arc::new(Instance::new()?);
+        *slot = Some(Arc::clone(&instance));
+        Ok(instance)
+    }
+
+    fn new() -> Result<Instance, Error> {
         // SAFETY: loading the Vulkan loader runs its initialisers; the library is the system's
         // `libvulkan.so.1`, which is built to be loaded this way.
         let entry = unsafe { ash::Entry::load() }.map_err(|e| Error::Unsupported {
@@ -255,8 +278,8 @@ impl Instance {
 
 impl Drop for Instance {
     fn drop(&mut self) {
-        // SAFETY: every device of this instance was destroyed by its `Context` (which owns the
-        // instance it was created from, so it is dropped first).
+        // SAFETY: every device of this instance was destroyed by its `Context` (each holds the
+        // instance it was created from, so the last is dropped first).
         unsafe { self.instance.destroy_instance(None) };
     }
 }
@@ -312,8 +335,9 @@ pub(crate) struct Context {
     pub(crate) tensor_core_gap: Option<String>,
     /// The GPU and driver, as exporters of timelines name the devices that can import them.
     pub(crate) export_target: sync_timeline::vulkan::ExportTarget,
-    // Last: the instance outlives the device (destroyed in `Drop` below).
-    pub(crate) instance: Instance,
+    // The instance outlives the device (destroyed in `Drop` below; the shared instance
+    // lives until the process ends).
+    pub(crate) instance: Arc<Instance>,
 }
 
 // SAFETY: the handles are plain identifiers; Vulkan objects reachable from them are used under
@@ -325,7 +349,7 @@ unsafe impl Sync for Context {}
 
 impl Context {
     pub(crate) fn open(
-        instance: Instance,
+        instance: Arc<Instance>,
         pd: vk::PhysicalDevice,
         adapter: Adapter,
     ) -> Result<Context, Error> {

@@ -256,7 +256,7 @@ impl Backend for VulkanBackend {
     }
 
     fn probe(&self) -> Vec<Probe> {
-        let listed = Instance::new().and_then(|i| i.adapters());
+        let listed = Instance::shared().and_then(|i| i.adapters());
         match listed {
             Err(e) => vec![Probe {
                 backend: "gpu",
@@ -781,7 +781,7 @@ impl VulkanNpu {
                 ),
             });
         }
-        let instance = Instance::new()?;
+        let instance = Instance::shared()?;
         let mut adapters = instance.adapters()?;
         adapters.sort_by_key(|(_, a)| (a.rank(), a.index));
         let listed: Vec<String> = adapters.iter().map(|(_, a)| a.name.clone()).collect();
