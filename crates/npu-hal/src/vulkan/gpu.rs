@@ -71,8 +71,8 @@ impl Instance {
     /// The process's instance: every device and probe shares it, and it lives until the
     /// process ends, so the loader loads the driver once. NVIDIA's driver takes static TLS each
     /// time the loader loads it, which glibc does not give back: a process that made and
-    /// destroyed an instance per device ran out after about a dozen (`gpu_vs_cpu` on an H100:
-    /// vkCreateInstance "Unable to find a Vulkan driver" from the twelfth test on, and every
+    /// destroyed an instance per device ran out (`gpu_vs_cpu` on an H100:
+    /// vkCreateInstance "Unable to find a Vulkan driver" from the eleventh test on, and every
     /// test passing with `GLIBC_TUNABLES=glibc.rtld.optional_static_tls=262144`). A failure is
     /// not kept: the next call tries again.
     pub(crate) fn shared() -> Result<Arc<Instance>, Error> {
