@@ -246,7 +246,14 @@ fn a_y4m_header_declaring_an_absurd_frame_rate_is_a_named_error() {
         data.extend_from_slice(&[16; 48]);
     }
     std::fs::write(&path, data).unwrap();
-    isp_refuses(&path, "slow.png", &["frame rate F1:11111111111111111111"]);
+    isp_refuses(
+        &path,
+        "slow.png",
+        &[
+            "frame rate F1:11111111111111111111",
+            "outside the supported frame rates",
+        ],
+    );
 }
 
 #[test]

@@ -240,11 +240,11 @@ impl AttentionLanes {
     }
 
     /// Workgroup memory [`Kernel::Attention`] declares: the query, 8 staged keys, the
-    /// block's probabilities and two reductions' partial results (`workgroup` each), and each
-    /// group's output.
+    /// block's probabilities and two reductions' partial results (`workgroup` each), each
+    /// group's output and the merge flag.
     pub(crate) fn shared_bytes(workgroup: u32, head_dim: u32) -> u32 {
         let groups = AttentionLanes::new(workgroup, head_dim).groups;
-        4 * (head_dim + 8 * head_dim + 3 * workgroup + groups * head_dim)
+        4 * (head_dim + 8 * head_dim + 3 * workgroup + groups * head_dim + 1)
     }
 }
 
