@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 21: the tensor-core GEMM's blockings on the device machine, one vit_bench run per
+# blocking and batch, rounds alternating so that clock drift falls on every blocking alike.
+#
+#   benches/h200/gemm_tiles.sh VIT_BENCH ROUNDS TILE...
+#
+# TILE is a `VIT_COOP_TILE` value (`ROWSxCOLS/TMxTN[/pN][/v16]`, one blocking forced on every
+# GEMM of the tower) or `default` (CoopTile::for_shape's pick per GEMM). Each run is
+# `vit_bench b16-512 gpu 20 coop tiled batch:N profile` at batch 1 and 8; one JSON line per run
+# on stdout, with the round and the tile added. VIT_BENCH is a release build of the example
+# (benches/h200/encoder_vs_torch.sh says how).
+set -uo pipefail
+bench=${1:?usage: gemm_tiles.sh VIT_BENCH ROUNDS TILE...}
+rounds=${2:?usage: gemm_tiles.sh VIT_BENCH ROUNDS TILE...}
+shift 2
+for round in $(seq "$rounds"); do
+  for tile in "$@"; do
+    for batch in 1 8; do
+      if [ "$tile" = default ]; then
+        line=$(env -u VIT_COOP_TILE "$bench" b16-512 gpu 20 coop tiled "batch:$batch" profile 2>/dev/null | tail -1)
+      else
+        line=$(VIT_COOP_TILE=$tile "$bench" b16-512 gpu 20 coop tiled "batch:$batch" profile 2>/dev/null | tail -1)
+      fi
+      echo "{\"round\": $round, \"tile\": \"$tile\", \"run\": ${line:-null}}"
+    done
+  done
+done
