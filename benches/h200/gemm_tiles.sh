@@ -4,11 +4,12 @@
 #
 #   benches/h200/gemm_tiles.sh VIT_BENCH ROUNDS TILE...
 #
-# TILE is a `VIT_COOP_TILE` value (`ROWSxCOLS/TMxTN[/pN][/v16]`, one blocking forced on every
+# TILE is a `VIT_COOP_TILE` value (`ROWSxCOLS/TMxTN[/pN]`, one blocking forced on every
 # GEMM of the tower) or `default` (CoopTile::for_shape's pick per GEMM). Each run is
 # `vit_bench b16-512 gpu 20 coop tiled batch:N profile` at batch 1 and 8; one JSON line per run
 # on stdout, with the round and the tile added. VIT_BENCH is a release build of the example
-# (benches/h200/encoder_vs_torch.sh says how).
+# (benches/h200/encoder_vs_torch.sh says how). The /v16 rows of 2026-12-07-gemm-tiles.log are of
+# a build of 6197ebb, whose blockings also took `/v16` (16-byte loads; slower, removed).
 set -uo pipefail
 bench=${1:?usage: gemm_tiles.sh VIT_BENCH ROUNDS TILE...}
 rounds=${2:?usage: gemm_tiles.sh VIT_BENCH ROUNDS TILE...}

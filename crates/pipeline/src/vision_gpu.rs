@@ -581,9 +581,6 @@ pub struct CoopTile {
     pub tiles_n: u32,
     /// K steps whose loads are in flight while a step multiplies: 1, 2, 4 or 8.
     pub prefetch: u32,
-    /// Bytes per global load of the staged tiles: 8 (four f16s) or 16 (eight; needs f16
-    /// weights and every k a multiple of 8).
-    pub load_bytes: u32,
 }
 
 impl CoopTile {
@@ -595,7 +592,6 @@ impl CoopTile {
         tiles_m: 2,
         tiles_n: 2,
         prefetch: 4,
-        load_bytes: 8,
     };
 
     /// 128x128 blocks of 8 subgroups with 4x2 tiles each, four k steps in flight: the default
@@ -606,7 +602,6 @@ impl CoopTile {
         tiles_m: 4,
         tiles_n: 2,
         prefetch: 4,
-        load_bytes: 8,
     };
 
     /// Fewer [`CoopTile::WIDE`] blocks than this leave too much of an H200 (132 SMs) idle, and
@@ -624,29 +619,24 @@ impl CoopTile {
         }
     }
 
-    /// `ROWSxCOLS/TMxTN[/pN][/v16]`, e.g. `128x128/4x2`, `128x128/4x2/p2` or
-    /// `128x128/4x2/p4/v16` (16-byte loads).
+    /// `ROWSxCOLS/TMxTN[/pN]`, e.g. `128x128/4x2` or `128x128/4x2/p2`.
     pub fn parse(text: &str) -> Result<CoopTile, String> {
         let pair = |part: &str| -> Option<(u32, u32)> {
             let (a, b) = part.split_once('x')?;
             Some((a.parse().ok()?, b.parse().ok()?))
         };
-        let mut parts = text.split('/').peekable();
+        let mut parts = text.split('/');
         let block = parts.next().and_then(pair);
         let tiles = parts.next().and_then(pair);
-        let prefetch = match parts.next_if(|p| p.starts_with('p')) {
+        let prefetch = match parts.next() {
             None => Some(1),
-            Some(p) => p[1..].parse().ok(),
-        };
-        let load_bytes = match parts.next_if(|p| *p == "v16") {
-            None => 8,
-            Some(_) => 16,
+            Some(p) => p.strip_prefix('p').and_then(|n| n.parse().ok()),
         };
         let (Some((rows, cols)), Some((tiles_m, tiles_n)), Some(prefetch), None) =
             (block, tiles, prefetch, parts.next())
         else {
             return Err(format!(
-                "tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN[/pN][/v16]"
+                "tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN or ROWSxCOLS/TMxTN/pN"
             ));
         };
         let tile = CoopTile {
@@ -655,7 +645,6 @@ impl CoopTile {
             tiles_m,
             tiles_n,
             prefetch,
-            load_bytes,
         };
         tile.check()
             .map_err(|why| format!("tensor-core GEMM tile {text:?}: {why}"))?;
@@ -680,11 +669,7 @@ impl CoopTile {
             tiles_m,
             tiles_n,
             prefetch,
-            load_bytes,
         } = self;
-        if ![8, 16].contains(&load_bytes) {
-            return Err(format!("loads are 8 or 16 bytes wide, not {load_bytes}"));
-        }
         if ![1, 2, 4, 8].contains(&prefetch) {
             return Err(format!(
                 "1, 2, 4 or 8 k steps can be in flight, not {prefetch}"
@@ -695,11 +680,10 @@ impl CoopTile {
             && rows.is_multiple_of(16 * tiles_m)
             && cols.is_multiple_of(16 * tiles_n);
         let threads = if whole { self.threads() } else { 0 };
-        let loads_per_row = self.loads_per_row();
         if !whole
             || !(1..=8).contains(&self.subgroups())
-            || !(rows * loads_per_row).is_multiple_of(threads)
-            || !(cols * loads_per_row).is_multiple_of(threads)
+            || !(rows * 8).is_multiple_of(threads)
+            || !(cols * 8).is_multiple_of(threads)
         {
             return Err(format!(
                 "a {rows}x{cols} block must split into 1 to 8 subgroups of {tiles_m}x{tiles_n} \
@@ -710,13 +694,8 @@ impl CoopTile {
         Ok(())
     }
 
-    /// Global loads per 32-wide k slice of a staged row.
-    fn loads_per_row(self) -> u32 {
-        32 / (self.load_bytes / 2)
-    }
-
     /// Workgroup memory `gemm_coop` declares with this blocking: two staged x and w tiles of
-    /// rows (cols) x 40 f16s (BK = 32 plus 8 of padding: 80 bytes a row), and a 16x16 f32
+    /// rows (cols) x 40 f16s (BK = 32 plus 8 of padding: LDT = 10 vec4s), and a 16x16 f32
     /// scratch per subgroup.
     fn workgroup_bytes(self) -> u32 {
         2 * (self.rows + self.cols) * 10 * 8 + self.subgroups() * 1024
@@ -755,14 +734,13 @@ impl CoopTile {
         }
         // Each invocation's share of one k step's x and w tiles, in named registers
         // `{set}_a{i}` and `{set}_b{i}` (not arrays, which a driver may leave in memory).
-        // A k step is BK = 32 columns, LOADS_PER_ROW = 8 (8-byte) or 4 (16-byte) loads a row.
+        // A k step is BK = 32 columns, ROW_VECS = 8 vectors per row.
         let threads = self.threads();
-        let per_row = self.loads_per_row();
-        let (a_per, b_per) = (self.rows * per_row / threads, self.cols * per_row / threads);
+        let (a_per, b_per) = (self.rows * 8 / threads, self.cols * 8 / threads);
         let declare = |set: &str| {
             let mut code = String::new();
             for i in 0..a_per {
-                code += &format!("var {set}_a{i}: LoadVec;\n    ");
+                code += &format!("var {set}_a{i}: vec4<f16>;\n    ");
             }
             for i in 0..b_per {
                 code += &format!("var {set}_b{i}: WRaw;\n    ");
@@ -783,35 +761,19 @@ impl CoopTile {
             }
             code
         };
-        // Where load e goes in its tile (in vec4<f16>s): row e / LOADS_PER_ROW, vector
-        // (e % LOADS_PER_ROW) * VEC_ELEMS / 4; a 16-byte load is stored as its two halves.
-        let stage_one = |tile: &str, base: &str, i: u32, value: &str| {
-            let e = format!("(tid + {i}u * GEMM_THREADS)");
-            if self.load_bytes == 16 {
-                let at =
-                    format!("{base} + ({e} / LOADS_PER_ROW) * LDT + ({e} % LOADS_PER_ROW) * 2u");
-                format!(
-                    "{tile}[{at}] = {value}.lo;\n        {tile}[{at} + 1u] = {value}.hi;\n        "
-                )
-            } else {
-                format!(
-                    "{tile}[{base} + ({e} / LOADS_PER_ROW) * LDT + {e} % LOADS_PER_ROW] = {value};\n        "
-                )
-            }
-        };
         let stage = |set: &str, buf: &str| {
             let mut code = String::new();
             for i in 0..a_per {
-                code += &stage_one("ta", &format!("{buf} * A_TILE"), i, &format!("{set}_a{i}"));
+                code += &format!(
+                    "ta[{buf} * A_TILE + ((tid + {i}u * GEMM_THREADS) / ROW_VECS) * LDT + \
+                     (tid + {i}u * GEMM_THREADS) % ROW_VECS] = {set}_a{i};\n        "
+                );
             }
             for i in 0..b_per {
-                // 16-byte loads are of f16 weights only; w_decode turns MX codes into values.
-                let value = if self.load_bytes == 16 {
-                    format!("{set}_b{i}")
-                } else {
-                    format!("w_decode({set}_b{i})")
-                };
-                code += &stage_one("tb", &format!("{buf} * B_TILE"), i, &value);
+                code += &format!(
+                    "tb[{buf} * B_TILE + ((tid + {i}u * GEMM_THREADS) / ROW_VECS) * LDT + \
+                     (tid + {i}u * GEMM_THREADS) % ROW_VECS] = w_decode({set}_b{i});\n        "
+                );
             }
             code
         };
@@ -987,21 +949,6 @@ fn coop_source(
         (
             "const QSUB: u32 = 4u;",
             format!("const QSUB: u32 = {query_subgroups}u;"),
-        ),
-        (
-            "const VEC_ELEMS: u32 = 4u;",
-            format!("const VEC_ELEMS: u32 = {}u;", tile.load_bytes / 2),
-        ),
-        (
-            "alias LoadVec = vec4<f16>;",
-            format!(
-                "alias LoadVec = {};",
-                if tile.load_bytes == 16 {
-                    "F16x8"
-                } else {
-                    "vec4<f16>"
-                }
-            ),
         ),
     ];
     let mut source = COOP_SHADER.to_string();
@@ -1350,34 +1297,6 @@ impl GpuVisionEncoder {
                     .min(limits.max_compute_workgroup_size_x),
             )));
         }
-        // 16-byte loads (`/v16`) read eight f16s at a time from x and w: f16 weights, and every
-        // GEMM's k a multiple of 8 (the connector's projection runs in f32 otherwise, below).
-        let wide_loads = [Some(coop_gemms.base), coop_gemms.wide]
-            .into_iter()
-            .flatten()
-            .any(|tile| tile.load_bytes == 16);
-        if coop && wide_loads {
-            if options.mx_weights.is_some() {
-                return Err(GpuVisionError::Invalid(
-                    "16-byte GEMM loads (a /v16 tile) take f16 weights: drop /v16 or the MX \
-                     weights"
-                        .into(),
-                ));
-            }
-            let pp = 3 * c.patch_size * c.patch_size;
-            for (what, k) in [
-                ("values per patch", pp),
-                ("hidden", c.hidden),
-                ("intermediate", c.intermediate),
-            ] {
-                if !k.is_multiple_of(8) {
-                    return Err(GpuVisionError::Invalid(format!(
-                        "16-byte GEMM loads (a /v16 tile) need every k a multiple of 8; {what} \
-                         is {k}: drop /v16"
-                    )));
-                }
-            }
-        }
         if !coop {
             options.coop_tile = None;
         }
@@ -1616,7 +1535,7 @@ impl GpuVisionEncoder {
                     (m, nn, kk): (usize, usize, usize),
                     flags: u32| {
             debug_assert!(
-                nn.is_multiple_of(8) && kk.is_multiple_of(if wide_loads { 8 } else { 4 }),
+                nn.is_multiple_of(8) && kk.is_multiple_of(4),
                 "gemm_coop contract"
             );
             let flags = flags | if b.is_some() { GEMM_BIAS } else { 0 };
@@ -1872,8 +1791,7 @@ impl GpuVisionEncoder {
             })
             .collect();
         // The connector's projection: on tensor cores when its sizes fit the GEMM's contract.
-        let projection_fits = c.text_hidden.is_multiple_of(8)
-            && (h * f2).is_multiple_of(if wide_loads { 8 } else { 4 });
+        let projection_fits = c.text_hidden.is_multiple_of(8) && (h * f2).is_multiple_of(4);
         let projection = match gemm_in16.filter(|_| projection_fits) {
             Some(x16) => Projection::Coop {
                 w: weight("projection", cpu.projection.data(), h * f2, true)?,
@@ -2215,17 +2133,9 @@ mod tests {
             "128x128/4x4",
             "128x128/4x2/p4",
             "64x64/2x2/p8",
-            "64x64/2x2/p4/v16",
-            "128x128/4x2/p4/v16",
-            "128x128/4x4/p2/v16",
         ] {
             let tile = CoopTile::parse(tile).unwrap();
-            let formats = if tile.load_bytes == 16 {
-                &[None][..]
-            } else {
-                &[None, Some(mx_quant::ElemFormat::Fp4E2M1)][..]
-            };
-            for &mx in formats {
+            for mx in [None, Some(mx_quant::ElemFormat::Fp4E2M1)] {
                 let source = coop_source(tile, 4, 768, mx);
                 let last = format!(
                     "c{0}_{1} = coopMultiplyAdd(a{0}, b{1}",
@@ -2259,9 +2169,6 @@ mod tests {
             "axb/2x2",
             "64x64/2x2/p3",
             "64x64/2x2/px",
-            "64x64/2x2/p4/v8",
-            "64x64/2x2/v16/p4",
-            "64x64/1x1/v16",
         ] {
             let err = CoopTile::parse(bad).unwrap_err();
             assert!(err.contains(bad), "{err}");

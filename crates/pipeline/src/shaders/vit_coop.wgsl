@@ -28,17 +28,16 @@ enable wgpu_cooperative_matrix;
 // constants below and writes the accumulators, the products and the epilogue for TM x TN
 // where the markers stand). K advances 32 at a time through workgroup memory,
 // double-buffered: every invocation keeps its share of the x and w tiles of the next
-// CoopTile::prefetch steps in flight (8- or 16-byte vector loads, coalesced along k, into
-// named registers) while the subgroups multiply the current step, and stores each into a buffer
+// CoopTile::prefetch steps in flight (8-byte vector loads, coalesced along k, into named
+// registers) while the subgroups multiply the current step, and stores each into a buffer
 // just before its step; one barrier per step. (With cooperative loads
 // straight from the storage buffers instead, the GEMMs took 5.9 against 3.7 ms per image on an
 // H200.) The epilogue (bias, GELU, residual, f16 conversion) goes through a 16x16 workgroup
 // scratch per subgroup.
 //
-// Contract: n even, k a multiple of 4 (of 8 with 16-byte loads; any m); x holds m*k, w n*k,
-// b n (when flagged) and y m*n values (f32, or f16 pairs packed into u32s with flag 8). Rows
-// past m or n are clamped onto the last one (their results are never written), k past its end
-// reads as zeros.
+// Contract: n even, k a multiple of 4 (any m); x holds m*k, w n*k, b n (when flagged) and y
+// m*n values (f32, or f16 pairs packed into u32s with flag 8). Rows past m or n are clamped
+// onto the last one (their results are never written), k past its end reads as zeros.
 
 const BM: u32 = 64u; // substituted: rows of y per workgroup
 const BN: u32 = 64u; // substituted: columns of y per workgroup
@@ -51,13 +50,6 @@ const BK: u32 = 32u;
 // touches at once fall on distinct banks.
 const LDT: u32 = BK / 4u + 2u;
 const ROW_VECS: u32 = BK / 4u;
-// Global loads are LoadVec: VEC_ELEMS f16s, 4 as a vec4<f16> (8 bytes) or 8 as an F16x8 (16
-// bytes, CoopTile::load_bytes; they need f16 weights and k a multiple of 8), staged as one or
-// two tile vectors.
-struct F16x8 { @align(16) lo: vec4<f16>, hi: vec4<f16> };
-const VEC_ELEMS: u32 = 4u; // substituted: 4 or 8
-alias LoadVec = vec4<f16>; // substituted: F16x8 with 16-byte loads
-const LOADS_PER_ROW: u32 = BK / VEC_ELEMS;
 const GEMM_THREADS: u32 = (BM / (16u * TM)) * SGN * 32u;
 const A_TILE: u32 = BM * LDT;
 const B_TILE: u32 = BN * LDT;
@@ -65,19 +57,18 @@ const B_TILE: u32 = BN * LDT;
 struct GemmParams { m: u32, n: u32, k: u32, flags: u32 };
 // flags: 1 = add bias, 2 = tanh-GELU, 4 = add into y (f32 residual), 8 = write f16 pairs
 
-@group(0) @binding(0) var<storage, read> gx: array<LoadVec>;
+@group(0) @binding(0) var<storage, read> gx: array<vec4<f16>>;
 // <w-source>: f16 weights. With MX weights, vision_gpu.rs replaces this block with bindings
 // `mx_codes` (1) and `mx_scales` (5), WRaw = the words `mx_load4` fetches, and `w_decode` =
 // `mx_unpack4` (mx_quant::wgsl::DECODE_SOURCE; every GEMM's k is then a multiple of 32).
 // Fetching and decoding are apart so the loads stay in flight while the tile multiplies.
-@group(0) @binding(1) var<storage, read> gw: array<LoadVec>;
-alias WRaw = LoadVec;
-// What holds elements at .. at + VEC_ELEMS - 1 of w (row-major n x k; at a multiple of
-// VEC_ELEMS).
+@group(0) @binding(1) var<storage, read> gw: array<vec4<f16>>;
+alias WRaw = vec4<f16>;
+// What holds elements at .. at + 3 of w (row-major n x k; at a multiple of 4).
 fn w_load(at: u32) -> WRaw {
-    return gw[at / VEC_ELEMS];
+    return gw[at / 4u];
 }
-fn w_decode(raw: WRaw) -> WRaw {
+fn w_decode(raw: WRaw) -> vec4<f16> {
     return raw;
 }
 // </w-source>
@@ -96,19 +87,19 @@ fn gelu_tanh(x: f32) -> f32 {
 
 // Vector `e` of the rows x BK tile of x at (row0, t): the last row stands in for rows past the
 // end, zeros for columns past k.
-fn fetch_x(e: u32, row0: u32, t: u32) -> LoadVec {
-    let r = min(row0 + e / LOADS_PER_ROW, gp.m - 1u);
-    let c = t + (e % LOADS_PER_ROW) * VEC_ELEMS;
+fn fetch_x(e: u32, row0: u32, t: u32) -> vec4<f16> {
+    let r = min(row0 + e / ROW_VECS, gp.m - 1u);
+    let c = t + (e % ROW_VECS) * 4u;
     if (c >= gp.k) {
-        return LoadVec();
+        return vec4<f16>(0.0h);
     }
-    return gx[(r * gp.k + c) / VEC_ELEMS];
+    return gx[(r * gp.k + c) / 4u];
 }
 
 // The same for w (still raw: `w_decode` makes it values), zeros past k.
 fn fetch_w(e: u32, col0: u32, t: u32) -> WRaw {
-    let r = min(col0 + e / LOADS_PER_ROW, gp.n - 1u);
-    let c = t + (e % LOADS_PER_ROW) * VEC_ELEMS;
+    let r = min(col0 + e / ROW_VECS, gp.n - 1u);
+    let c = t + (e % ROW_VECS) * 4u;
     if (c >= gp.k) {
         return WRaw();
     }
