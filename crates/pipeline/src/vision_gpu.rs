@@ -607,7 +607,7 @@ impl CoopTile {
     /// Fewer [`CoopTile::WIDE`] blocks than this leave too much of an H200 or H100 (132 SMs)
     /// idle, and [`CoopTile::SMALL`] is faster: at batch 1 of SigLIP-B/16-512 (1024 rows) the
     /// QKV projection has 144 and fc1 192, and all-SMALL GEMMs were faster than WIDE ones there
-    /// in six of six paired runs on both cards (README, "Vision encoder").
+    /// in six of six paired runs over the two cards (README, "Vision encoder").
     pub const WIDE_MIN_BLOCKS: usize = 256;
 
     /// The default blocking for an m x n GEMM.
