@@ -17,11 +17,9 @@ shift 2
 for round in $(seq "$rounds"); do
   for tile in "$@"; do
     for batch in 1 8; do
-      if [ "$tile" = default ]; then
-        line=$(env -u VIT_COOP_TILE "$bench" b16-512 gpu 20 coop tiled "batch:$batch" profile 2>/dev/null | tail -1)
-      else
-        line=$(VIT_COOP_TILE=$tile "$bench" b16-512 gpu 20 coop tiled "batch:$batch" profile 2>/dev/null | tail -1)
-      fi
+      forced=()
+      [ "$tile" = default ] || forced=("VIT_COOP_TILE=$tile")
+      line=$(env -u VIT_COOP_TILE "${forced[@]}" "$bench" b16-512 gpu 20 coop tiled "batch:$batch" profile 2>/dev/null | tail -1)
       echo "{\"round\": $round, \"tile\": \"$tile\", \"run\": ${line:-null}}"
     done
   done
