@@ -5,8 +5,9 @@
 //! `cargo run --release -p pipeline --example vit_bench -- [b16-512|synthetic|tiny] [gpu|cpu] [ITERS]
 //! [small|blocked|register|register-f16|coop] [per-query|tiled] [profile]` (the GEMM and attention kernels;
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
-//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_TILE=ROWSxCOLS/TMxTN[/pN]` forces one tensor-core GEMM blocking
-//! (`pipeline::vision_gpu::CoopTile`);
+//! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_TILE=ROWSxCOLS/TMxTN[/pN][/pairs]` forces one tensor-core GEMM
+//! blocking (`pipeline::vision_gpu::CoopTile`); `split:N` splits the residual tensor-core GEMMs over k in N
+//! (`GpuVisionOptions::coop_split_k`);
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
 //! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
 //! `median_ms` is then per batch, `ms_per_image` per image; with `coop`, the attention is the
@@ -42,6 +43,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(text) => Some(pipeline::vision_gpu::CoopTile::parse(&text)?),
         Err(_) => None,
     };
+    // `split:N`: the residual tensor-core GEMMs split over k into N slices.
+    let coop_split_k = match args.iter().find_map(|a| a.strip_prefix("split:")) {
+        Some(n) => Some(n.parse::<u32>().map_err(|e| format!("split:{n}: {e}"))?),
+        None => None,
+    };
     // `mx:FORMAT` anywhere after the shape: GEMM weights in that MX format, decoded in-kernel.
     let mx_weights = match args.iter().find_map(|a| a.strip_prefix("mx:")) {
         Some(name) => Some(
@@ -58,6 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         coop_tile,
         mx_weights,
         coop_attention: pipeline::vision_gpu::CoopAttention::Wgsl,
+        coop_split_k,
     };
     let config = match shape {
         "b16-512" => VisionConfig {

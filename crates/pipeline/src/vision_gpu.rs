@@ -154,6 +154,8 @@ const GEMM_COOP_WIDE: usize = 15;
 // The tensor-core attention with its softmax in the accumulator fragments (GLSL,
 // shaders/glsl/attention_fragments.comp): present with `CoopAttention::Fragments(_)`.
 const ATTENTION_FRAGMENTS: usize = 16;
+// The LayerNorm that first adds a k-split residual GEMM's planes into x: present with `Coop`.
+const LAYER_NORM_ADD_F16: usize = 17;
 
 /// `gemm_coop` flags (vit_coop.wgsl).
 const GEMM_BIAS: u32 = 1;
@@ -162,7 +164,7 @@ const GEMM_RESIDUAL: u32 = 4;
 const GEMM_F16_OUT: u32 = 8;
 
 /// Entry point of each pipeline index, for profiles.
-const KERNEL_NAMES: [&str; 17] = [
+const KERNEL_NAMES: [&str; 18] = [
     "linear",
     "layer_norm",
     "attention",
@@ -180,6 +182,7 @@ const KERNEL_NAMES: [&str; 17] = [
     "linear_reg_f16",
     "gemm_coop_wide",
     "attention_fragments",
+    "layer_norm_add_f16",
 ];
 
 /// The register GEMM, one module per weight format ([`register_gemm_source`]).
@@ -581,6 +584,10 @@ pub struct CoopTile {
     pub tiles_n: u32,
     /// K steps whose loads are in flight while a step multiplies: 1, 2, 4 or 8.
     pub prefetch: u32,
+    /// Loads of two k steps at once (`/pairs`; an even `prefetch`): each warp-wide load then
+    /// covers whole 128-byte rows of x or w (64 f16s, two steps of 32) instead of halves, and
+    /// each invocation stages every other step, twice as much.
+    pub paired_loads: bool,
 }
 
 impl CoopTile {
@@ -592,6 +599,7 @@ impl CoopTile {
         tiles_m: 2,
         tiles_n: 2,
         prefetch: 4,
+        paired_loads: false,
     };
 
     /// 128x128 blocks of 8 subgroups with 4x2 tiles each, four k steps in flight: the default
@@ -602,6 +610,7 @@ impl CoopTile {
         tiles_m: 4,
         tiles_n: 2,
         prefetch: 4,
+        paired_loads: false,
     };
 
     /// Fewer [`CoopTile::WIDE`] blocks than this leave too much of an H200 or H100 (132 SMs)
@@ -621,24 +630,26 @@ impl CoopTile {
         }
     }
 
-    /// `ROWSxCOLS/TMxTN[/pN]`, e.g. `128x128/4x2` or `128x128/4x2/p2`.
+    /// `ROWSxCOLS/TMxTN[/pN][/pairs]`, e.g. `128x128/4x2`, `128x128/4x2/p2` or
+    /// `64x64/2x2/p4/pairs`.
     pub fn parse(text: &str) -> Result<CoopTile, String> {
         let pair = |part: &str| -> Option<(u32, u32)> {
             let (a, b) = part.split_once('x')?;
             Some((a.parse().ok()?, b.parse().ok()?))
         };
-        let mut parts = text.split('/');
+        let mut parts = text.split('/').peekable();
         let block = parts.next().and_then(pair);
         let tiles = parts.next().and_then(pair);
-        let prefetch = match parts.next() {
+        let prefetch = match parts.next_if(|p| p.starts_with('p') && *p != "pairs") {
             None => Some(1),
-            Some(p) => p.strip_prefix('p').and_then(|n| n.parse().ok()),
+            Some(p) => p[1..].parse().ok(),
         };
+        let paired_loads = parts.next_if(|p| *p == "pairs").is_some();
         let (Some((rows, cols)), Some((tiles_m, tiles_n)), Some(prefetch), None) =
             (block, tiles, prefetch, parts.next())
         else {
             return Err(format!(
-                "tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN or ROWSxCOLS/TMxTN/pN"
+                "tensor-core GEMM tile {text:?}: expected ROWSxCOLS/TMxTN[/pN][/pairs]"
             ));
         };
         let tile = CoopTile {
@@ -647,6 +658,7 @@ impl CoopTile {
             tiles_m,
             tiles_n,
             prefetch,
+            paired_loads,
         };
         tile.check()
             .map_err(|why| format!("tensor-core GEMM tile {text:?}: {why}"))?;
@@ -671,11 +683,15 @@ impl CoopTile {
             tiles_m,
             tiles_n,
             prefetch,
+            paired_loads,
         } = self;
         if ![1, 2, 4, 8].contains(&prefetch) {
             return Err(format!(
                 "1, 2, 4 or 8 k steps can be in flight, not {prefetch}"
             ));
+        }
+        if paired_loads && prefetch == 1 {
+            return Err("paired loads need 2, 4 or 8 k steps in flight".into());
         }
         let whole = (1..=8).contains(&tiles_m)
             && (1..=8).contains(&tiles_n)
@@ -792,7 +808,75 @@ impl CoopTile {
                 stage(set, buf)
             )
         };
-        let k_loop = if self.prefetch == 1 {
+        // Paired loads: pair u of an unrolled iteration is steps 2u and 2u + 1. Invocation tid
+        // loads vector pcol of the rows prow, prow + GEMM_THREADS / 16, ... of step 2u + par's
+        // slice (par = (tid % 16) / 8), so the 16 invocations tid % 16 read one row's 64
+        // values of the pair; it stages them at that step only, and refills after the pair's
+        // second step, when both halves are staged.
+        let paired = |u: u32| {
+            let decl = (0..2 * a_per)
+                .map(|i| format!("var q{u}_a{i}: vec4<f16>;\n    "))
+                .chain((0..2 * b_per).map(|i| format!("var q{u}_b{i}: WRaw;\n    ")))
+                .collect::<String>();
+            let load = move |at: &str| {
+                (0..2 * a_per)
+                    .map(|i| {
+                        format!(
+                            "q{u}_a{i} = fetch_x((prow + {i}u * (GEMM_THREADS / 16u)) * ROW_VECS + pcol, row0, {at} + par * BK);\n        "
+                        )
+                    })
+                    .chain((0..2 * b_per).map(|i| {
+                        format!(
+                            "q{u}_b{i} = fetch_w((prow + {i}u * (GEMM_THREADS / 16u)) * ROW_VECS + pcol, col0, {at} + par * BK);\n        "
+                        )
+                    }))
+                    .collect::<String>()
+            };
+            let stage = move |buf: u32| {
+                (0..2 * a_per)
+                    .map(|i| {
+                        format!(
+                            "ta[{buf}u * A_TILE + (prow + {i}u * (GEMM_THREADS / 16u)) * LDT + pcol] = q{u}_a{i};\n            "
+                        )
+                    })
+                    .chain((0..2 * b_per).map(|i| {
+                        format!(
+                            "tb[{buf}u * B_TILE + (prow + {i}u * (GEMM_THREADS / 16u)) * LDT + pcol] = w_decode(q{u}_b{i});\n            "
+                        )
+                    }))
+                    .collect::<String>()
+            };
+            (decl, load, stage)
+        };
+        let k_loop = if self.paired_loads {
+            let n = self.prefetch;
+            let mut code = "let par = (tid % 16u) / 8u;\n    let pcol = tid % 8u;\n    let prow = tid / 16u;\n    ".to_string();
+            for u in 0..n / 2 {
+                let (decl, load, _) = paired(u);
+                code += &decl;
+                code += &load(&format!("{}u * BK", 2 * u));
+            }
+            code += &format!("for (var step = 0u; step < steps; step += {n}u) {{\n        ");
+            for j in 0..n {
+                let u = j / 2;
+                let (_, load, stage) = paired(u);
+                let refill = if j % 2 == 1 {
+                    load(&format!("(step + {}u) * BK", j - 1 + n))
+                } else {
+                    String::new()
+                };
+                code += &format!(
+                    "if (par == {}u) {{\n            {}}}\n        workgroupBarrier();\n        {refill}\
+                     {{\n        let abase = {buf}u * A_TILE + sr * 16u * TM * LDT;\n        \
+                     let bbase = {buf}u * B_TILE + sc * 16u * TN * LDT;\n        \
+                     for (var kk = 0u; kk < ROW_VECS; kk += 4u) {{\n            {products}\n        }}\n        }}\n        ",
+                    j % 2,
+                    stage(j % 2),
+                    buf = j % 2,
+                );
+            }
+            code + "}\n"
+        } else if self.prefetch == 1 {
             // One step in flight: buffers alternate by step.
             format!(
                 "{}{}for (var step = 0u; step < steps; step++) {{\n        \
@@ -881,17 +965,31 @@ fn attention_code(query_subgroups: usize) -> [(&'static str, String); 6] {
     ]
 }
 
-/// The code for layer_norm_f16's markers, written out with named registers: lane l's vectors
-/// l, l + 32, ... of a row of `width` values (`vecs` = width / 128 rounded up of them).
-fn layer_norm_code(width: usize) -> [(&'static str, String); 4] {
+/// The code for the markers of layer_norm_f16 and layer_norm_add_f16, written out with named
+/// registers: lane l's vectors l, l + 32, ... of a row of `width` values (`vecs` = width / 128
+/// rounded up of them).
+fn layer_norm_code(width: usize) -> [(&'static str, String); 7] {
     let vecs = width.div_ceil(128).max(1);
     let mut load = String::new();
+    let mut load_add = String::new();
     let mut square = String::new();
     let mut store = String::new();
     for j in 0..vecs {
         load += &format!(
             "var x{j} = vec4<f32>(0.0);\n    \
              if (lane + {o}u < w4) {{ x{j} = ln_x[base + lane + {o}u]; }}\n    \
+             s += x{j}.x + x{j}.y + x{j}.z + x{j}.w;\n    ",
+            o = 32 * j
+        );
+        // The residual's row plus the bias plus the split GEMM's planes, in plane order.
+        load_add += &format!(
+            "var x{j} = vec4<f32>(0.0);\n    \
+             if (lane + {o}u < w4) {{\n        \
+             var v = lna_x[base + lane + {o}u] + lna_bias[lane + {o}u];\n        \
+             for (var p = 0u; p < ln_p.w; p++) {{ v += lna_parts[p * plane4 + base + lane + {o}u]; }}\n        \
+             lna_x[base + lane + {o}u] = v;\n        \
+             x{j} = v;\n    \
+             }}\n    \
              s += x{j}.x + x{j}.y + x{j}.z + x{j}.w;\n    ",
             o = 32 * j
         );
@@ -913,8 +1011,11 @@ fn layer_norm_code(width: usize) -> [(&'static str, String); 4] {
             format!("const LN_VECS: u32 = {vecs}u;"),
         ),
         ("// <ln-load>", load),
-        ("// <ln-square>", square),
-        ("// <ln-store>", store),
+        ("// <ln-square>", square.clone()),
+        ("// <ln-store>", store.clone()),
+        ("// <lna-load>", load_add),
+        ("// <lna-square>", square),
+        ("// <lna-store>", store),
     ]
 }
 
@@ -1053,6 +1154,10 @@ pub struct GpuVisionOptions {
     /// the device and the tower allow it, else `Wgsl` runs; [`GpuVisionEncoder::options`] says
     /// which was built.
     pub coop_attention: CoopAttention,
+    /// The residual tensor-core GEMMs (each layer's attention output and fc2 projections but
+    /// the last fc2) split over k into this many slices, whose products the LayerNorm that
+    /// follows adds into the residual stream. `None` or `Some(1)`: not split.
+    pub coop_split_k: Option<u32>,
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
@@ -1099,6 +1204,7 @@ impl GpuVisionOptions {
                 coop_tile: None,
                 mx_weights: None,
                 coop_attention: CoopAttention::Wgsl,
+                coop_split_k: None,
             }
         } else {
             GpuVisionOptions::default()
@@ -1411,6 +1517,7 @@ impl GpuVisionEncoder {
             };
             let module = trusted("vit coop", coop_source(tile, query_subgroups, h, mx));
             compile(&module, TO_F16, LINEAR_REG_MX - TO_F16, false);
+            compile(&module, LAYER_NORM_ADD_F16, 1, false);
             if let Some(wide) = coop_gemms.wide {
                 let source = coop_source(wide, query_subgroups, h, mx)
                     .replace("fn gemm_coop(", "fn gemm_coop_wide(");
@@ -1541,12 +1648,47 @@ impl GpuVisionEncoder {
                 "gemm_coop contract"
             );
             let flags = flags | if b.is_some() { GEMM_BIAS } else { 0 };
-            let params = uniform(&[m as u32, nn as u32, kk as u32, flags]);
+            let params = uniform(&[m as u32, nn as u32, kk as u32, flags, kk as u32, 0, 0, 0]);
             let (pipeline, tile) = coop_gemms.pick(m, nn);
             body.push(Dispatch {
                 pipeline,
                 bind: bind(pipeline, &w.bind(x16, b.unwrap_or(&no_bias), y, &params)),
                 groups: CoopGemms::groups(tile, m, nn),
+            });
+        };
+        // A residual tensor-core GEMM split over k into `splits` slices: plane z of `parts`
+        // gets slice z's product (no bias; `norm_add` adds the planes and the bias into x).
+        let gemm_split = |body: &mut Vec<Dispatch>,
+                          x16: &wgpu::Buffer,
+                          w: &GpuWeight,
+                          parts: &wgpu::Buffer,
+                          (m, nn, kk): (usize, usize, usize),
+                          splits: usize|
+         -> usize {
+            // Slices of whole BK = 32 steps, none of them empty (the kernel's contract): at
+            // most `splits`, fewer where k is short.
+            let chunk = kk.div_ceil(splits).next_multiple_of(32);
+            let splits = kk.div_ceil(chunk);
+            let params = uniform(&[m as u32, nn as u32, kk as u32, 0, chunk as u32, 0, 0, 0]);
+            let (pipeline, tile) = coop_gemms.pick(m, nn);
+            let (gx, gy, _) = CoopGemms::groups(tile, m, nn);
+            body.push(Dispatch {
+                pipeline,
+                bind: bind(pipeline, &w.bind(x16, &no_bias, parts, &params)),
+                groups: (gx, gy, splits as u32),
+            });
+            splits
+        };
+        // x += b + the planes of `parts`, then the LayerNorm of x into `dst` (f16).
+        let norm_add = |body: &mut Vec<Dispatch>,
+                        (parts, splits, bias): (&wgpu::Buffer, usize, &wgpu::Buffer),
+                        (w, b): (&wgpu::Buffer, &wgpu::Buffer),
+                        dst: &wgpu::Buffer| {
+            let params = uniform(&[m as u32, h as u32, eps, splits as u32]);
+            body.push(Dispatch {
+                pipeline: LAYER_NORM_ADD_F16,
+                bind: bind(LAYER_NORM_ADD_F16, &[&x, w, b, dst, &params, parts, bias]),
+                groups: (m.div_ceil(4) as u32, 1, 1),
             });
         };
         // An f32 GEMM with the kernel `options` chose.
@@ -1612,6 +1754,12 @@ impl GpuVisionEncoder {
                 0,
                 0,
             ]);
+            // Split-k residual GEMMs write their planes here; the LayerNorm after each adds
+            // them (and the GEMM's bias, `pending`) into x.
+            let split = options.coop_split_k.map_or(1, |s| s.max(1) as usize);
+            let parts = (split > 1).then(|| scratch("split-k planes", split * m * h));
+            let mut pending: Option<(usize, wgpu::Buffer)> = None;
+            let layers = cpu.layers.len();
             for (i, l) in cpu.layers.iter().enumerate() {
                 let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
                 let w = |name: &str, d: &[f32], cols: usize| {
@@ -1633,7 +1781,12 @@ impl GpuVisionEncoder {
                 let (f1w, f1b) = (w("fc1 w", l.fc1.0.data(), h)?, up("fc1 b", &l.fc1.1));
                 let inter = c.intermediate;
                 let (f2w, f2b) = (w("fc2 w", l.fc2.0.data(), inter)?, up("fc2 b", &l.fc2.1));
-                norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true);
+                match (&parts, pending.take()) {
+                    (Some(parts), Some((planes, bias))) => {
+                        norm_add(&mut body, (parts, planes, &bias), (&ln1w, &ln1b), &xn16);
+                    }
+                    _ => norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true),
+                }
                 let qkv_shape = (m, 3 * h, h);
                 gemm(
                     &mut body,
@@ -1660,16 +1813,21 @@ impl GpuVisionEncoder {
                         groups: ((n / (16 * query_subgroups)) as u32, c.heads as u32, 1),
                     });
                 }
-                gemm(
-                    &mut body,
-                    &xn16,
-                    &ow,
-                    Some(&ob),
-                    &x,
-                    (m, h, h),
-                    GEMM_RESIDUAL,
-                );
-                norm(&mut body, &x, (&ln2w, &ln2b), &xn16, true);
+                if let Some(parts) = &parts {
+                    let planes = gemm_split(&mut body, &xn16, &ow, parts, (m, h, h), split);
+                    norm_add(&mut body, (parts, planes, &ob), (&ln2w, &ln2b), &xn16);
+                } else {
+                    gemm(
+                        &mut body,
+                        &xn16,
+                        &ow,
+                        Some(&ob),
+                        &x,
+                        (m, h, h),
+                        GEMM_RESIDUAL,
+                    );
+                    norm(&mut body, &x, (&ln2w, &ln2b), &xn16, true);
+                }
                 let fc1_shape = (m, c.intermediate, h);
                 gemm(
                     &mut body,
@@ -1681,15 +1839,22 @@ impl GpuVisionEncoder {
                     GEMM_GELU | GEMM_F16_OUT,
                 );
                 let fc2_shape = (m, h, c.intermediate);
-                gemm(
-                    &mut body,
-                    &mid16,
-                    &f2w,
-                    Some(&f2b),
-                    &x,
-                    fc2_shape,
-                    GEMM_RESIDUAL,
-                );
+                // The last fc2 adds into x itself: the post-LayerNorm (f32) adds no planes.
+                match &parts {
+                    Some(parts) if i + 1 < layers => {
+                        let planes = gemm_split(&mut body, &mid16, &f2w, parts, fc2_shape, split);
+                        pending = Some((planes, f2b));
+                    }
+                    _ => gemm(
+                        &mut body,
+                        &mid16,
+                        &f2w,
+                        Some(&f2b),
+                        &x,
+                        fc2_shape,
+                        GEMM_RESIDUAL,
+                    ),
+                }
             }
         } else {
             let w_patch = weight("patch w", cpu.patch.0.data(), pp, false)?;
@@ -1802,10 +1967,15 @@ impl GpuVisionEncoder {
             },
             None => Projection::F32(weight("projection", cpu.projection.data(), h * f2, false)?),
         };
+        // Also `gemm_coop`'s (which reads k_chunk = k after the flags).
         let projection_params = uniform(&[
             (batch * tokens) as u32,
             c.text_hidden as u32,
             (h * f2) as u32,
+            0,
+            (h * f2) as u32,
+            0,
+            0,
             0,
         ]);
         let im2col_params = uniform(&[side as u32, c.patch_size as u32, c.image_size as u32, 0]);
@@ -2135,6 +2305,9 @@ mod tests {
             "128x128/4x4",
             "128x128/4x2/p4",
             "64x64/2x2/p8",
+            "64x64/2x2/p2/pairs",
+            "64x64/2x2/p4/pairs",
+            "128x128/4x2/p4/pairs",
         ] {
             let tile = CoopTile::parse(tile).unwrap();
             for mx in [None, Some(mx_quant::ElemFormat::Fp4E2M1)] {
@@ -2171,6 +2344,8 @@ mod tests {
             "axb/2x2",
             "64x64/2x2/p3",
             "64x64/2x2/px",
+            "64x64/2x2/pairs",
+            "64x64/2x2/pairs/p4",
         ] {
             let err = CoopTile::parse(bad).unwrap_err();
             assert!(err.contains(bad), "{err}");

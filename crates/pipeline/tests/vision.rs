@@ -374,6 +374,8 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
             "128x128/4x2/p2",
             "64x64/2x2/p4",
             "128x128/4x2/p4",
+            "64x64/2x2/p4/pairs",
+            "128x128/4x2/p4/pairs",
         ] {
             let coop_tile = Some(pipeline::vision_gpu::CoopTile::parse(tile).unwrap());
             let options = pipeline::vision_gpu::GpuVisionOptions {
@@ -396,11 +398,34 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                  CPU reference by {rel}"
             );
         }
-        // A batch of 3 images in one submission: each image's output is its encode alone.
+        // Residual GEMMs split over k, their planes added by the LayerNorm after each: 3
+        // slices leave the last short (k = 512: 192, 192, 128) or are fewer (k = 128: 64, 64).
+        for (split, tile) in [(2, None), (3, None), (4, Some("128x128/4x2/p4"))] {
+            let options = pipeline::vision_gpu::GpuVisionOptions {
+                coop_tile: tile.map(|t| pipeline::vision_gpu::CoopTile::parse(t).unwrap()),
+                coop_split_k: Some(split),
+                ..options
+            };
+            let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
+            let rel = rel_diff(&encode_on_gpu(&gpu_device, &gpu, &pixels), &want);
+            eprintln!("coop encoder ({image_size}px, k split {split}, {tile:?}) vs CPU: {rel}");
+            assert!(
+                rel < 2e-2,
+                "coop encoder ({image_size}px, k split {split}, {tile:?}) differs from the \
+                 CPU reference by {rel}"
+            );
+        }
+        // A batch of 3 images in one submission: each image's output is its encode alone
+        // (and with split GEMMs too).
         let images: Vec<Vec<f32>> = (0..3)
             .map(|k| pixels.iter().map(|v| v * (1.0 - 0.25 * k as f32)).collect())
             .collect();
         encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
+        let split = pipeline::vision_gpu::GpuVisionOptions {
+            coop_split_k: Some(2),
+            ..options
+        };
+        encode_batch_as_each_alone(&gpu_device, &cpu, split, &images);
         // The fragment attention (heads of 64 here), where the device's accumulators are laid
         // out for it; NVIDIA's are, so there it must run.
         match pipeline::vision_gpu::fragment_attention_support(&gpu_device.0, &gpu_device.1) {
@@ -735,6 +760,7 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
             coop_tile: None,
             mx_weights: Some(format),
             coop_attention: Default::default(),
+            coop_split_k: None,
         };
         let gpu =
             pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
@@ -775,6 +801,7 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
         coop_tile: None,
         mx_weights: None,
         coop_attention: Default::default(),
+        coop_split_k: None,
     };
     let gpu =
         pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
@@ -806,6 +833,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            coop_split_k: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
@@ -813,6 +841,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            coop_split_k: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -820,6 +849,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            coop_split_k: None,
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -827,6 +857,7 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            coop_split_k: None,
         },
     ] {
         let gpu =
@@ -897,6 +928,7 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
             coop_tile: None,
             mx_weights: None,
             coop_attention: Default::default(),
+            coop_split_k: None,
         };
         let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
         for (k, (share, image)) in outputs.iter().zip(&images).enumerate() {

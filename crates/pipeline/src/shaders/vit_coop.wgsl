@@ -35,9 +35,16 @@ enable wgpu_cooperative_matrix;
 // H200.) The epilogue (bias, GELU, residual, f16 conversion) goes through a 16x16 workgroup
 // scratch per subgroup.
 //
-// Contract: n even, k a multiple of 4 (any m); x holds m*k, w n*k, b n (when flagged) and y
-// m*n values (f32, or f16 pairs packed into u32s with flag 8). Rows past m or n are clamped
-// onto the last one (their results are never written), k past its end reads as zeros.
+// Split k: workgroup z of the dispatch takes k's columns [z k_chunk, (z + 1) k_chunk) and writes
+// its product into plane z of y (m*n values from z*m*n on); a dispatch of one plane (z = 0,
+// k_chunk >= k) is the whole product. layer_norm_add_f16 sums the planes into the residual
+// stream in a fixed order, so results do not depend on which workgroup finishes first.
+//
+// Contract: n even, k a multiple of 4 (any m); k_chunk a multiple of BK, and z k_chunk < k
+// for every z of the dispatch; x holds m*k, w n*k, b n (when flagged) and y m*n values per
+// plane (f32, or f16 pairs packed into u32s with flag 8). Rows past m or n are clamped onto the
+// last one (their results are never written), columns past the workgroup's slice of k read as
+// zeros.
 
 const BM: u32 = 64u; // substituted: rows of y per workgroup
 const BN: u32 = 64u; // substituted: columns of y per workgroup
@@ -54,7 +61,7 @@ const GEMM_THREADS: u32 = (BM / (16u * TM)) * SGN * 32u;
 const A_TILE: u32 = BM * LDT;
 const B_TILE: u32 = BN * LDT;
 
-struct GemmParams { m: u32, n: u32, k: u32, flags: u32 };
+struct GemmParams { m: u32, n: u32, k: u32, flags: u32, k_chunk: u32, p0: u32, p1: u32, p2: u32 };
 // flags: 1 = add bias, 2 = tanh-GELU, 4 = add into y (f32 residual), 8 = write f16 pairs
 
 @group(0) @binding(0) var<storage, read> gx: array<vec4<f16>>;
@@ -76,6 +83,11 @@ fn w_decode(raw: WRaw) -> vec4<f16> {
 @group(0) @binding(3) var<storage, read_write> gy: array<u32>;
 @group(0) @binding(4) var<uniform> gp: GemmParams;
 
+// This workgroup's slice of k, [k_begin, k_end), and where its plane of y starts.
+var<private> k_begin: u32;
+var<private> k_end: u32;
+var<private> plane: u32;
+
 var<workgroup> ta: array<vec4<f16>, 2u * A_TILE>;
 var<workgroup> tb: array<vec4<f16>, 2u * B_TILE>;
 var<workgroup> tc: array<f32, (GEMM_THREADS / 32u) * 256u>;
@@ -85,22 +97,22 @@ fn gelu_tanh(x: f32) -> f32 {
     return 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)));
 }
 
-// Vector `e` of the rows x BK tile of x at (row0, t): the last row stands in for rows past the
-// end, zeros for columns past k.
+// Vector `e` of the rows x BK tile of x at (row0, t) of the workgroup's slice of k: the last
+// row stands in for rows past the end, zeros for columns past the slice.
 fn fetch_x(e: u32, row0: u32, t: u32) -> vec4<f16> {
     let r = min(row0 + e / ROW_VECS, gp.m - 1u);
-    let c = t + (e % ROW_VECS) * 4u;
-    if (c >= gp.k) {
+    let c = k_begin + t + (e % ROW_VECS) * 4u;
+    if (c >= k_end) {
         return vec4<f16>(0.0h);
     }
     return gx[(r * gp.k + c) / 4u];
 }
 
-// The same for w (still raw: `w_decode` makes it values), zeros past k.
+// The same for w (still raw: `w_decode` makes it values), zeros past the slice.
 fn fetch_w(e: u32, col0: u32, t: u32) -> WRaw {
     let r = min(col0 + e / ROW_VECS, gp.n - 1u);
-    let c = t + (e % ROW_VECS) * 4u;
-    if (c >= gp.k) {
+    let c = k_begin + t + (e % ROW_VECS) * 4u;
+    if (c >= k_end) {
         return WRaw();
     }
     return w_load(r * gp.k + c);
@@ -122,7 +134,7 @@ fn finish_tile(acc: coop_mat16x16<f32, C>, sg: u32, lane: u32, r0: u32, c0: u32)
             var v = vec2<f32>(tc[sg * 256u + rt * 16u + pair], tc[sg * 256u + rt * 16u + pair + 1u]);
             if ((flags & 1u) != 0u) { v += vec2<f32>(gb[col], gb[col + 1u]); }
             if ((flags & 2u) != 0u) { v = vec2<f32>(gelu_tanh(v.x), gelu_tanh(v.y)); }
-            let o = row * gp.n + col;
+            let o = plane + row * gp.n + col;
             if ((flags & 8u) != 0u) {
                 gy[o / 2u] = pack2x16float(v);
             } else {
@@ -146,7 +158,10 @@ fn gemm_coop(
 ) {
     let row0 = wid.y * BM;
     let col0 = wid.x * BN;
-    let steps = (gp.k + BK - 1u) / BK;
+    k_begin = wid.z * gp.k_chunk;
+    k_end = min(gp.k, k_begin + gp.k_chunk);
+    plane = wid.z * gp.m * gp.n;
+    let steps = (k_end - k_begin + BK - 1u) / BK;
     // This subgroup's 16 TM x 16 TN block of the workgroup's.
     let sr = sg / SGN;
     let sc = sg % SGN;
@@ -204,6 +219,36 @@ fn layer_norm_f16(
     // <ln-square>
     let inv = inverseSqrt(subgroupAdd(q) / f32(ln_p.y) + bitcast<f32>(ln_p.z));
     // <ln-store>
+}
+
+// The same LayerNorm after finishing a residual GEMM split over k: each row of x becomes
+// x + b + the sum of the GEMM's planes (in plane order), is written back, and is normalised
+// into y. Contract: as layer_norm_f16, with ln_p.w planes of rows * width values in lna_parts
+// and width values in lna_bias.
+@group(0) @binding(0) var<storage, read_write> lna_x: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> lna_parts: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> lna_bias: array<vec4<f32>>;
+
+@compute @workgroup_size(128, 1, 1)
+fn layer_norm_add_f16(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    let row = wid.x * 4u + sg;
+    if (row >= ln_p.x) {
+        return;
+    }
+    let w4 = ln_p.y / 4u;
+    let base = row * w4;
+    let plane4 = ln_p.x * w4;
+    var s = 0.0;
+    // <lna-load>
+    let mean = subgroupAdd(s) / f32(ln_p.y);
+    var q = 0.0;
+    // <lna-square>
+    let inv = inverseSqrt(subgroupAdd(q) / f32(ln_p.y) + bitcast<f32>(ln_p.z));
+    // <lna-store>
 }
 
 // ---------------------------------------------------------------------------------------------
