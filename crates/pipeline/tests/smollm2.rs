@@ -145,15 +145,29 @@ fn exact_policy_completes_the_prompt_as_llama_cpp_does() {
 }
 
 fn ppl(policy: &str) -> f64 {
-    ppl_on(policy, None)
+    ppl_on(policy, None, None)
 }
 
-fn ppl_on(policy: &str, device: Option<Box<dyn npu_hal::Device>>) -> f64 {
+/// Perplexity of the Apache-2.0 text in chunks of 512 tokens (its first `max_chunks` where
+/// given) with `policy`, on `device` (the CPU NPU when `None`).
+fn ppl_on(
+    policy: &str,
+    device: Option<Box<dyn npu_hal::Device>>,
+    max_chunks: Option<usize>,
+) -> f64 {
     let (mut d, tok) = open_on(policy, device);
     let text = std::fs::read_to_string(APACHE).expect("Debian's common-licenses/Apache-2.0");
-    let tokens = tok.encode(&text, false).unwrap();
+    let mut tokens = tok.encode(&text, false).unwrap();
+    if let Some(chunks) = max_chunks {
+        tokens.truncate(chunks * 512);
+    }
     let r = pipeline::llm::perplexity(&mut d, &tokens, 512, None, |_, _| {}).unwrap();
-    eprintln!("{policy}: perplexity {:.4} over {} chunks", r.ppl, r.chunks);
+    eprintln!(
+        "{policy} on {}: perplexity {:.4} over {} chunks",
+        d.device().info().name,
+        r.ppl,
+        r.chunks
+    );
     r.ppl
 }
 
@@ -338,11 +352,19 @@ fn smollm2_gpu_decoder_agrees_with_the_cpu() {
     );
 }
 
+/// The default policy's perplexity on the GPU within 1% of the CPU NPU's, over the whole
+/// Apache-2.0 text on a GPU. On a CPU implementation of Vulkan (lavapipe, in CI) both take its
+/// first two chunks (1024 tokens): its prefill runs under 1 GFLOP/s there (README, "Decoder on
+/// the GPU"), and the whole text took 14-17 minutes of a CI run.
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn smollm2_gpu_perplexity_is_within_one_percent_of_the_cpu() {
-    let cpu = ppl("default");
-    let gpu = ppl_on("default", Some(gpu()));
+    let gpu_device = gpu();
+    // npu-hal names a CPU implementation's kind so (`Adapter::kind_name`).
+    let software = gpu_device.info().name.contains("CPU (software Vulkan)");
+    let chunks = software.then_some(2);
+    let gpu = ppl_on("default", Some(gpu_device), chunks);
+    let cpu = ppl_on("default", None, chunks);
     assert!(
         (gpu / cpu - 1.0).abs() < 0.01,
         "GPU perplexity {gpu} against the CPU's {cpu}"
