@@ -42,6 +42,7 @@ pub mod grammar;
 pub mod llm;
 pub mod model;
 pub mod mxcache;
+pub mod npy;
 pub mod quantize;
 pub mod speculative;
 #[cfg(feature = "vision")]

@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = pipeline::vision::parse_pixels_npy(data, 16);
+    let _ = pipeline::npy::parse_pixels_npy(data, 16);
 });
