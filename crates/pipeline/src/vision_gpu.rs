@@ -157,6 +157,9 @@ const ATTENTION_FRAGMENTS: usize = 16;
 // The LayerNorm that first adds a k-split residual GEMM's planes into x: present with `Coop`.
 const LAYER_NORM_ADD_F16: usize = 17;
 
+/// The most slices [`GpuVisionOptions::coop_split_k`] may ask for.
+pub const MAX_SPLIT_K: usize = 16;
+
 /// `gemm_coop` flags (vit_coop.wgsl).
 const GEMM_BIAS: u32 = 1;
 const GEMM_GELU: u32 = 2;
@@ -1155,8 +1158,10 @@ pub struct GpuVisionOptions {
     /// which was built.
     pub coop_attention: CoopAttention,
     /// The residual tensor-core GEMMs (each layer's attention output and fc2 projections but
-    /// the last fc2) split over k into this many slices, whose products the LayerNorm that
-    /// follows adds into the residual stream. `None` or `Some(1)`: not split.
+    /// the last fc2) split over k into this many slices (at most [`MAX_SPLIT_K`]; fewer where
+    /// k is short), whose products the LayerNorm that follows adds into the residual stream.
+    /// `None` or `Some(1)`: not split. Without tensor cores it is ignored, and
+    /// [`GpuVisionEncoder::options`] says `None`.
     pub coop_split_k: Option<u32>,
 }
 
@@ -1371,6 +1376,22 @@ impl GpuVisionEncoder {
             }
         }
         let coop = options.gemm == GemmKernel::Coop;
+        // Split-k residual GEMMs (tensor cores only): at most MAX_SPLIT_K planes of m x h f32.
+        let split = if coop {
+            options.coop_split_k.map_or(1, |s| s.max(1) as usize)
+        } else {
+            1
+        };
+        if split > MAX_SPLIT_K {
+            return Err(GpuVisionError::Invalid(format!(
+                "the residual GEMMs split over k in {split}: at most {MAX_SPLIT_K} slices"
+            )));
+        }
+        if split > 1 {
+            check("the split-k planes", split * n * h)?;
+        } else {
+            options.coop_split_k = None;
+        }
         // The blockings to build: a forced one, or SMALL plus WIDE where the device has the
         // workgroup memory for WIDE.
         let limits = device.limits();
@@ -1497,10 +1518,15 @@ impl GpuVisionEncoder {
             // loads to rows < m and n and columns < k, and runs only when coop_fits holds (n a
             // multiple of 8, k of 4; with MX weights, codes for n x k elements plus the spare
             // word `mx_load4` reads, scales for them, and k a multiple of 32, checked above);
+            // A split-k dispatch (`gemm_split`) has z k_chunk < k for every z (its slice count is
+            // k / k_chunk rounded up) and writes plane z < split of a buffer of split * m * h
+            // values (checked against the binding limit above; its n is h).
             // `attention_coop` reads rows < n of an n x 3h buffer and runs only when n is a
-            // multiple of 64 (= 16 * QSUB); `layer_norm_f16` (its registers written out for
-            // this tower's width h, a multiple of 8 by coop_fits, and run only at that width)
-            // and `to_f16` guard their indices against the lengths they are given. Workgroup
+            // multiple of 64 (= 16 * QSUB); `layer_norm_f16` and `layer_norm_add_f16` (their
+            // registers written out for this tower's width h, a multiple of 8 by coop_fits,
+            // and run only at that width; the latter reads the planes a split-k dispatch wrote,
+            // ln_p.w of them, and h bias values) and `to_f16` guard their indices against the
+            // lengths they are given. Workgroup
             // memory is not zeroed: each kernel writes what it reads first.
             let trusted = |label: &str, source: String| {
                 // SAFETY: only the two coop_source modules below go through here, and their
@@ -1756,7 +1782,6 @@ impl GpuVisionEncoder {
             ]);
             // Split-k residual GEMMs write their planes here; the LayerNorm after each adds
             // them (and the GEMM's bias, `pending`) into x.
-            let split = options.coop_split_k.map_or(1, |s| s.max(1) as usize);
             let parts = (split > 1).then(|| scratch("split-k planes", split * m * h));
             let mut pending: Option<(usize, wgpu::Buffer)> = None;
             let layers = cpu.layers.len();

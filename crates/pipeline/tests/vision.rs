@@ -415,6 +415,17 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                  CPU reference by {rel}"
             );
         }
+        let too_many = pipeline::vision_gpu::MAX_SPLIT_K as u32 + 1;
+        let err = GpuVisionEncoder::with_options(
+            &gpu_device.0,
+            &cpu,
+            pipeline::vision_gpu::GpuVisionOptions {
+                coop_split_k: Some(too_many),
+                ..options
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("at most 16 slices"), "{err}");
         // A batch of 3 images in one submission: each image's output is its encode alone
         // (and with split GEMMs too).
         let images: Vec<Vec<f32>> = (0..3)
