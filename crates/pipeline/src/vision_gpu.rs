@@ -1526,8 +1526,8 @@ impl GpuVisionEncoder {
             // registers written out for this tower's width h, a multiple of 8 by coop_fits,
             // and run only at that width; the latter reads the planes a split-k dispatch wrote,
             // ln_p.w of them, and h bias values) and `to_f16` guard their indices against the
-            // lengths they are given. Workgroup
-            // memory is not zeroed: each kernel writes what it reads first.
+            // lengths they are given. Workgroup memory is not zeroed: each kernel writes what it
+            // reads first.
             let trusted = |label: &str, source: String| {
                 // SAFETY: only the two coop_source modules below go through here, and their
                 // kernels meet the contracts listed above.
