@@ -355,7 +355,7 @@ fn smollm2_gpu_decoder_agrees_with_the_cpu() {
 /// The default policy's perplexity on the GPU within 1% of the CPU NPU's, over the whole
 /// Apache-2.0 text on a GPU. On a CPU implementation of Vulkan (lavapipe, in CI) both take its
 /// first two chunks (1024 tokens): its prefill runs under 1 GFLOP/s there (README, "Decoder on
-/// the GPU"), and the whole text took 14-17 minutes of a CI run.
+/// the GPU"), and the whole text took 14-18 minutes of a CI run.
 #[test]
 #[ignore = "needs the SmolLM2-135M model: cargo xtask fetch-model smollm2-135m"]
 fn smollm2_gpu_perplexity_is_within_one_percent_of_the_cpu() {
