@@ -11,7 +11,7 @@
 # one JSON line per run on stdout, with the round and the tile added. VIT_BENCH is a release
 # build of the example (benches/h200/encoder_vs_torch.sh says how). The /v16 rows of
 # 2026-12-07-gemm-tiles.log are of a build of 6197ebb, whose blockings also took `/v16`
-# (16-byte loads; slower, removed). TILE also takes `/pairs` (paired loads).
+# (16-byte loads; slower, removed).
 set -uo pipefail
 bench=${1:?usage: gemm_tiles.sh VIT_BENCH ROUNDS TILE...}
 rounds=${2:?usage: gemm_tiles.sh VIT_BENCH ROUNDS TILE...}
