@@ -1781,9 +1781,10 @@ impl GpuVisionEncoder {
                 0,
             ]);
             // Split-k residual GEMMs write their planes here; the LayerNorm after each adds
-            // them (and the GEMM's bias, `pending`) into x.
+            // them and the GEMM's bias into x. `pending`: an fc2's planes (the buffer, how many)
+            // and bias, for the next layer's first LayerNorm.
             let parts = (split > 1).then(|| scratch("split-k planes", split * m * h));
-            let mut pending: Option<(usize, wgpu::Buffer)> = None;
+            let mut pending: Option<(&wgpu::Buffer, usize, wgpu::Buffer)> = None;
             let layers = cpu.layers.len();
             for (i, l) in cpu.layers.iter().enumerate() {
                 let up = |name: &str, d: &[f32]| upload(&format!("layer {i} {name}"), d);
@@ -1806,11 +1807,11 @@ impl GpuVisionEncoder {
                 let (f1w, f1b) = (w("fc1 w", l.fc1.0.data(), h)?, up("fc1 b", &l.fc1.1));
                 let inter = c.intermediate;
                 let (f2w, f2b) = (w("fc2 w", l.fc2.0.data(), inter)?, up("fc2 b", &l.fc2.1));
-                match (&parts, pending.take()) {
-                    (Some(parts), Some((planes, bias))) => {
+                match pending.take() {
+                    Some((parts, planes, bias)) => {
                         norm_add(&mut body, (parts, planes, &bias), (&ln1w, &ln1b), &xn16);
                     }
-                    _ => norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true),
+                    None => norm(&mut body, &x, (&ln1w, &ln1b), &xn16, true),
                 }
                 let qkv_shape = (m, 3 * h, h);
                 gemm(
@@ -1868,7 +1869,7 @@ impl GpuVisionEncoder {
                 match &parts {
                     Some(parts) if i + 1 < layers => {
                         let planes = gemm_split(&mut body, &mid16, &f2w, parts, fc2_shape, split);
-                        pending = Some((planes, f2b));
+                        pending = Some((parts, planes, f2b));
                     }
                     _ => gemm(
                         &mut body,
