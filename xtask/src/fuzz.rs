@@ -66,10 +66,20 @@ pub(crate) fn run(
     let mut failed = Vec::new();
     let at_once = std::thread::available_parallelism().map_or(1, usize::from);
     for round in chosen.chunks(at_once) {
-        let running = round
-            .iter()
-            .map(|target| start(root, &fuzz_dir, target, seconds).map(|child| (*target, child)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut running = Vec::new();
+        for target in round {
+            match start(root, &fuzz_dir, target, seconds) {
+                Ok(child) => running.push((*target, child)),
+                Err(e) => {
+                    // No fuzzer of the round is left running behind the error.
+                    for (_, mut child) in running {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                    }
+                    return Err(format!("starting the {target} fuzzer: {e}").into());
+                }
+            }
+        }
         for (target, mut child) in running {
             let status = child.wait()?;
             let log = std::fs::read(log_path(root, target))?;
