@@ -71,7 +71,7 @@ pub(crate) fn run(
             match start(root, &fuzz_dir, target, seconds) {
                 Ok(child) => running.push((*target, child)),
                 Err(e) => {
-                    // No fuzzer of the round is left running behind the error.
+                    // Stop the round's other fuzzers (their `cargo fuzz run`) before returning.
                     for (_, mut child) in running {
                         let _ = child.kill();
                         let _ = child.wait();
