@@ -103,7 +103,7 @@ void main() {
     }
     if ((flags & 8u) != 0u) {
         ACC16 h = ACC16(acc);
-        coopMatStoreTensorNV(h, gy16, plane, sliceTensorLayoutNV(ly, row0, BM, col0, BN));
+        coopMatStoreTensorNV(h, gy16, 0, sliceTensorLayoutNV(ly, row0, BM, col0, BN));
     } else {
         if ((flags & 4u) != 0u) {
             ACC y;
