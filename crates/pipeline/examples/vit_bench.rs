@@ -7,8 +7,8 @@
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
 //! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_TILE=ROWSxCOLS/TMxTN[/pN][/pairs]` forces one tensor-core GEMM
 //! blocking (`pipeline::vision_gpu::CoopTile`); `split:N` splits the residual tensor-core GEMMs over k in N
-//! (`GpuVisionOptions::coop_split_k`); `glsl-gemm` builds the tensor-core GEMMs from GLSL and
-//! `cm2-gemm` from GLSL on VK_NV_cooperative_matrix2 (`GpuVisionOptions::coop_gemm_source`);
+//! (`GpuVisionOptions::coop_split_k`); `glsl-gemm` builds the tensor-core GEMMs from GLSL
+//! (`GpuVisionOptions::coop_gemm_source`);
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
 //! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
 //! `median_ms` is then per batch, `ms_per_image` per image; with `coop`, the attention is the
@@ -155,19 +155,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if profile {
                 desc.required_features |= stamps;
             }
-            // `cm2-gemm`: the GEMMs on VK_NV_cooperative_matrix2, on a device opened with it.
-            let cm2 = args.iter().any(|a| a == "cm2-gemm");
-            let (device, queue) = match cm2 {
-                true => {
-                    let (device, queue, token) =
-                        pipeline::vision_gpu::coopmat2::open_device(&adapter, &desc)?;
-                    eprintln!("coopmat2 shapes offered: {:?}", token.offered.shapes());
-                    options.coop_gemm_source =
-                        pipeline::vision_gpu::CoopGemmSource::Coopmat2(token);
-                    (device, queue)
-                }
-                false => pollster::block_on(adapter.request_device(&desc))?,
-            };
+            let (device, queue) = pollster::block_on(adapter.request_device(&desc))?;
             if gemm == pipeline::vision_gpu::GemmKernel::Coop && !wgsl_attention {
                 match pipeline::vision_gpu::fragment_attention_support(&device, &queue) {
                     Ok(layout) => {

@@ -22,8 +22,6 @@ use wgpu::util::DeviceExt;
 
 use crate::vision::{VisionConfig, VisionEncoder};
 
-pub mod coopmat2;
-
 const SHADER: &str = include_str!("shaders/vit.wgsl");
 
 /// Why the GPU encoder could not be built.
@@ -344,12 +342,9 @@ const FRAGMENT_WORKGROUP_BYTES: u32 = 2 * 2 * 64 * 18 * 8 + 4 * 16 * 72 * 2;
 /// cooperative matrix's elements), which records the sources' hashes in `SOURCES.sha256`.
 const ATTENTION_FRAGMENTS_SPV: &[u8] = include_bytes!("shaders/glsl/attention_fragments.spv");
 const FRAGMENT_PROBE_SPV: &[u8] = include_bytes!("shaders/glsl/fragment_probe.spv");
-/// `gemm_coop.comp` and `gemm_cm2.comp` built for [`CoopTile::SMALL`]'s and
-/// [`CoopTile::WIDE`]'s blockings (the latter with 128 and 256 invocations).
+/// `gemm_coop.comp` built for [`CoopTile::SMALL`]'s and [`CoopTile::WIDE`]'s blockings.
 const GEMM_COOP_SMALL_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_coop_small.spv");
 const GEMM_COOP_WIDE_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_coop_wide.spv");
-const GEMM_CM2_SMALL_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_cm2_small.spv");
-const GEMM_CM2_WIDE_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_cm2_wide.spv");
 
 /// What [`fragment_attention_support`] returns where the device's accumulators are laid out as
 /// the fragment attention assumes: the only way to ask for [`CoopAttention::Fragments`], so the
@@ -580,45 +575,27 @@ fn fragment_attention_pipeline(device: &wgpu::Device) -> wgpu::ComputePipeline {
     )
 }
 
-/// The GLSL GEMM of `source` built for `tile`'s blocking, if it was (and, for coopmat2, the
-/// driver offers its shape): the module and its invocations per workgroup. (Its k step and
-/// loads are its own; `prefetch` and `paired_loads` are the WGSL kernel's.)
-fn glsl_gemm_spirv(source: CoopGemmSource, tile: CoopTile) -> Option<(&'static [u8], u32)> {
+/// The GLSL tensor-core GEMM (`gemm_coop.comp`) built for `tile`'s blocking, if it was: the
+/// module and its invocations per workgroup. (Its k step and loads are its own; `prefetch` and
+/// `paired_loads` are the WGSL kernel's.)
+fn glsl_gemm_spirv(tile: CoopTile) -> Option<(&'static [u8], u32)> {
     let same = |built: CoopTile| {
         (tile.rows, tile.cols, tile.tiles_m, tile.tiles_n)
             == (built.rows, built.cols, built.tiles_m, built.tiles_n)
     };
-    let small = same(CoopTile::SMALL);
-    if !small && !same(CoopTile::WIDE) {
-        return None;
-    }
-    match source {
-        CoopGemmSource::Wgsl => None,
-        CoopGemmSource::Glsl if small => Some((GEMM_COOP_SMALL_SPV, CoopTile::SMALL.threads())),
-        CoopGemmSource::Glsl => Some((GEMM_COOP_WIDE_SPV, CoopTile::WIDE.threads())),
-        CoopGemmSource::Coopmat2(token) => {
-            let (spirv, threads) = if small {
-                (GEMM_CM2_SMALL_SPV, 128)
-            } else {
-                (GEMM_CM2_WIDE_SPV, 256)
-            };
-            // BK = 32 (build.sh).
-            token
-                .offered
-                .fits(tile.rows, tile.cols, 32, threads)
-                .then_some((spirv, threads))
-        }
+    if same(CoopTile::SMALL) {
+        Some((GEMM_COOP_SMALL_SPV, CoopTile::SMALL.threads()))
+    } else if same(CoopTile::WIDE) {
+        Some((GEMM_COOP_WIDE_SPV, CoopTile::WIDE.threads()))
+    } else {
+        None
     }
 }
 
-/// The GLSL GEMM of `source` for `tile`, with gemm_coop's bindings for f16 weights: x at 0, w at
-/// 1, the bias at 2, y at 3 (read-write), the parameters at 4.
-fn glsl_gemm_pipeline(
-    device: &wgpu::Device,
-    source: CoopGemmSource,
-    tile: CoopTile,
-) -> Option<wgpu::ComputePipeline> {
-    let (spirv, threads) = glsl_gemm_spirv(source, tile)?;
+/// `gemm_coop.comp` for `tile` with gemm_coop's bindings for f16 weights: x at 0, w at 1, the
+/// bias at 2, y at 3 (read-write), the parameters at 4.
+fn glsl_gemm_pipeline(device: &wgpu::Device, tile: CoopTile) -> Option<wgpu::ComputePipeline> {
+    let (spirv, threads) = glsl_gemm_spirv(tile)?;
     let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
         label: Some("gemm_coop (GLSL)"),
         entries: &[
@@ -1254,11 +1231,6 @@ pub enum CoopGemmSource {
     /// element, residual loaded as an accumulator) and stores them straight to y; 16-byte
     /// loads.
     Glsl,
-    /// `gemm_cm2.comp` (GLSL, VK_NV_cooperative_matrix2, through SPIR-V passthrough): each
-    /// workgroup's block of y is one workgroup-scope matrix, its tiles loaded through tensor
-    /// layouts, so the driver stages and feeds them. Only on the device the token names
-    /// ([`coopmat2::open_device`]), where it offers the blockings' shapes.
-    Coopmat2(coopmat2::Coopmat2Device),
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
@@ -1560,22 +1532,17 @@ impl GpuVisionEncoder {
         // projection_fits) and k a multiple of 8, a device with passthrough, and blockings it
         // was built for. It then takes gemm_coop's dispatches (`gemm`, `gemm_split`, the
         // projection), whose sizes are checked against their buffers as for gemm_coop.
-        // Coopmat2 also needs the device its token names.
-        let source = options.coop_gemm_source;
         let glsl_gemms = coop
+            && options.coop_gemm_source == CoopGemmSource::Glsl
             && mx.is_none()
             && device
                 .features()
                 .contains(wgpu::Features::PASSTHROUGH_SHADERS)
             && inner.iter().all(|k| k.is_multiple_of(8))
-            && glsl_gemm_spirv(source, coop_gemms.base).is_some()
+            && glsl_gemm_spirv(coop_gemms.base).is_some()
             && coop_gemms
                 .wide
-                .is_none_or(|wide| glsl_gemm_spirv(source, wide).is_some())
-            && match source {
-                CoopGemmSource::Coopmat2(token) => token.is(device),
-                _ => true,
-            };
+                .is_none_or(|wide| glsl_gemm_spirv(wide).is_some());
         if !glsl_gemms {
             options.coop_gemm_source = CoopGemmSource::Wgsl;
         }
@@ -1677,9 +1644,9 @@ impl GpuVisionEncoder {
             pipelines[ATTENTION_FRAGMENTS] = Some(fragment_attention_pipeline(device));
         }
         if glsl_gemms {
-            pipelines[GEMM_COOP] = glsl_gemm_pipeline(device, source, coop_gemms.base);
+            pipelines[GEMM_COOP] = glsl_gemm_pipeline(device, coop_gemms.base);
             if let Some(wide) = coop_gemms.wide {
-                pipelines[GEMM_COOP_WIDE] = glsl_gemm_pipeline(device, source, wide);
+                pipelines[GEMM_COOP_WIDE] = glsl_gemm_pipeline(device, wide);
             }
         }
         let pipelines = pipelines;
@@ -2375,7 +2342,6 @@ mod tests {
                 "gemm_coop.comp",
                 include_str!("shaders/glsl/gemm_coop.comp"),
             ),
-            ("gemm_cm2.comp", include_str!("shaders/glsl/gemm_cm2.comp")),
         ];
         let record = include_str!("shaders/glsl/SOURCES.sha256");
         let mut checked = Vec::new();
@@ -2406,9 +2372,7 @@ mod tests {
                 "attention_fragments",
                 "fragment_probe",
                 "gemm_coop_small",
-                "gemm_coop_wide",
-                "gemm_cm2_small",
-                "gemm_cm2_wide"
+                "gemm_coop_wide"
             ]
         );
         for spirv in [
@@ -2416,8 +2380,6 @@ mod tests {
             super::FRAGMENT_PROBE_SPV,
             super::GEMM_COOP_SMALL_SPV,
             super::GEMM_COOP_WIDE_SPV,
-            super::GEMM_CM2_SMALL_SPV,
-            super::GEMM_CM2_WIDE_SPV,
         ] {
             assert_eq!(spirv[..4], 0x0723_0203u32.to_le_bytes());
         }

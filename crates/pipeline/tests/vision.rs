@@ -74,45 +74,6 @@ fn random_tower(
     (VisionEncoder::random(config, seed).unwrap(), pixels)
 }
 
-/// One encode of `pixels` through plain wgpu buffers (for a device opened without the import
-/// extensions `encode_on_gpu` uses).
-fn encode_plain(
-    device: &wgpu::Device,
-    queue: &wgpu::Queue,
-    gpu: &pipeline::vision_gpu::GpuVisionEncoder,
-    pixels: &[f32],
-) -> Vec<f32> {
-    use wgpu::util::DeviceExt;
-    let input = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: Some("pixels"),
-        contents: bytemuck::cast_slice(pixels),
-        usage: wgpu::BufferUsages::STORAGE,
-    });
-    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-    let output = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("embeddings"),
-        size: gpu.output_bytes(),
-        usage,
-        mapped_at_creation: false,
-    });
-    let read = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("readback"),
-        size: gpu.output_bytes(),
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
-    let mut encoder = device.create_command_encoder(&Default::default());
-    gpu.record(device, &mut encoder, &input, &output).unwrap();
-    encoder.copy_buffer_to_buffer(&output, 0, &read, 0, gpu.output_bytes());
-    queue.submit([encoder.finish()]);
-    read.slice(..)
-        .map_async(wgpu::MapMode::Read, |r| r.unwrap());
-    device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-    let values = bytemuck::cast_slice(&read.slice(..).get_mapped_range().unwrap()).to_vec();
-    read.unmap();
-    values
-}
-
 fn encode_on_gpu(
     (device, queue, caps): &(wgpu::Device, wgpu::Queue, uvm_alloc::vulkan::ImportCaps),
     gpu: &pipeline::vision_gpu::GpuVisionEncoder,
@@ -488,39 +449,6 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                 rel < 2e-2,
                 "GLSL GEMM ({image_size}px, split {split:?}, {tile:?}) differs by {rel}"
             );
-        }
-        // The GEMM on VK_NV_cooperative_matrix2, on a device opened with it, where offered.
-        match pipeline::vision_gpu::coopmat2::open_device(&adapter, &desc) {
-            Ok((device, queue, token)) => {
-                eprintln!("coopmat2 shapes offered: {:?}", token.offered.shapes());
-                for (split, tile) in [
-                    (None, None),
-                    (None, Some("128x128/4x2/p4")),
-                    (Some(2), None),
-                ] {
-                    let options = pipeline::vision_gpu::GpuVisionOptions {
-                        coop_tile: tile.map(|t| pipeline::vision_gpu::CoopTile::parse(t).unwrap()),
-                        coop_split_k: split,
-                        coop_gemm_source: CoopGemmSource::Coopmat2(token),
-                        ..options
-                    };
-                    let gpu = GpuVisionEncoder::with_options(&device, &cpu, options).unwrap();
-                    if gpu.options().coop_gemm_source != options.coop_gemm_source {
-                        eprintln!("coopmat2 GEMM not built for {tile:?}: shapes not offered");
-                        continue;
-                    }
-                    let got = encode_plain(&device, &queue, &gpu, &pixels);
-                    let rel = rel_diff(&got, &want);
-                    eprintln!(
-                        "coop encoder ({image_size}px, coopmat2 GEMM, split {split:?}, {tile:?}) vs CPU: {rel}"
-                    );
-                    assert!(
-                        rel < 2e-2,
-                        "coopmat2 GEMM ({image_size}px, split {split:?}, {tile:?}) differs by {rel}"
-                    );
-                }
-            }
-            Err(why) => eprintln!("coopmat2 GEMM not run: {why}"),
         }
         let too_many = pipeline::vision_gpu::MAX_SPLIT_K as u32 + 1;
         let err = GpuVisionEncoder::with_options(

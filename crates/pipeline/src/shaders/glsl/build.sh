@@ -19,8 +19,6 @@ modules=(
   "fragment_probe fragment_probe.comp"
   "gemm_coop_small gemm_coop.comp -DBM=64 -DBN=64 -DWM=2 -DWN=2"
   "gemm_coop_wide gemm_coop.comp -DBM=128 -DBN=128 -DWM=2 -DWN=4"
-  "gemm_cm2_small gemm_cm2.comp -DBM=64 -DBN=64 -DBK=32 -DTHREADS=128"
-  "gemm_cm2_wide gemm_cm2.comp -DBM=128 -DBN=128 -DBK=32 -DTHREADS=256"
 )
 : > SOURCES.sha256
 for m in "${modules[@]}"; do
