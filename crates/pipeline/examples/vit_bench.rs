@@ -7,8 +7,7 @@
 //! `profile` adds each kernel's share of one image from GPU timestamps, where the device has
 //! `TIMESTAMP_QUERY_INSIDE_PASSES`; `VIT_COOP_TILE=ROWSxCOLS/TMxTN[/pN][/pairs]` forces one tensor-core GEMM
 //! blocking (`pipeline::vision_gpu::CoopTile`); `split:N` splits the residual tensor-core GEMMs over k in N
-//! (`GpuVisionOptions::coop_split_k`); `glsl-gemm` builds the tensor-core GEMMs from GLSL
-//! (`GpuVisionOptions::coop_gemm_source`);
+//! (`GpuVisionOptions::coop_split_k`);
 //! an extra `mx:FORMAT` argument (`mx:fp8_e4m3`, `mx:int8`, ...) stores the GEMM weights in MX;
 //! `batch:N` encodes N images per submission (`GpuVisionEncoder::with_batch`), and the JSON's
 //! `median_ms` is then per batch, `ms_per_image` per image; with `coop`, the attention is the
@@ -59,12 +58,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     // `wgsl-attention` keeps the WGSL tensor-core attention where the fragment one would run.
     let wgsl_attention = args.iter().any(|a| a == "wgsl-attention");
-    // `glsl-gemm`: the tensor-core GEMMs from gemm_coop.comp (SPIR-V passthrough).
-    let coop_gemm_source = if args.iter().any(|a| a == "glsl-gemm") {
-        pipeline::vision_gpu::CoopGemmSource::Glsl
-    } else {
-        pipeline::vision_gpu::CoopGemmSource::Wgsl
-    };
     let mut options = pipeline::vision_gpu::GpuVisionOptions {
         gemm,
         attention,
@@ -72,7 +65,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         mx_weights,
         coop_attention: pipeline::vision_gpu::CoopAttention::Wgsl,
         coop_split_k,
-        coop_gemm_source,
     };
     let config = match shape {
         "b16-512" => VisionConfig {

@@ -342,9 +342,6 @@ const FRAGMENT_WORKGROUP_BYTES: u32 = 2 * 2 * 64 * 18 * 8 + 4 * 16 * 72 * 2;
 /// cooperative matrix's elements), which records the sources' hashes in `SOURCES.sha256`.
 const ATTENTION_FRAGMENTS_SPV: &[u8] = include_bytes!("shaders/glsl/attention_fragments.spv");
 const FRAGMENT_PROBE_SPV: &[u8] = include_bytes!("shaders/glsl/fragment_probe.spv");
-/// `gemm_coop.comp` built for [`CoopTile::SMALL`]'s and [`CoopTile::WIDE`]'s blockings.
-const GEMM_COOP_SMALL_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_coop_small.spv");
-const GEMM_COOP_WIDE_SPV: &[u8] = include_bytes!("shaders/glsl/gemm_coop_wide.spv");
 
 /// What [`fragment_attention_support`] returns where the device's accumulators are laid out as
 /// the fragment attention assumes: the only way to ask for [`CoopAttention::Fragments`], so the
@@ -499,20 +496,6 @@ fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
     }
 }
 
-/// A compute pipeline layout entry for a uniform buffer at `binding`.
-fn uniform_entry(binding: u32) -> wgpu::BindGroupLayoutEntry {
-    wgpu::BindGroupLayoutEntry {
-        binding,
-        visibility: wgpu::ShaderStages::COMPUTE,
-        ty: wgpu::BindingType::Buffer {
-            ty: wgpu::BufferBindingType::Uniform,
-            has_dynamic_offset: false,
-            min_binding_size: None,
-        },
-        count: None,
-    }
-}
-
 /// One of this crate's SPIR-V modules (entry point `main`, `threads` invocations in x) as a
 /// compute pipeline with bind group 0 `layout`.
 fn passthrough_pipeline(
@@ -535,7 +518,7 @@ fn passthrough_pipeline(
     // spirv-val on it, from the GLSL whose hash `glsl_spirv_is_built_from_its_sources` checks.
     // Its bindings are `layout`'s, and each dispatch of it is built from sizes checked against
     // the contract its source states (`fragment_attention_support`'s probe: one subgroup, 257
-    // floats; the attention and the GEMM: see `with_batch`).
+    // floats; the attention: see `with_batch`).
     let module = unsafe {
         device.create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
             label: Some(name),
@@ -562,7 +545,16 @@ fn fragment_attention_pipeline(device: &wgpu::Device) -> wgpu::ComputePipeline {
         entries: &[
             storage_entry(0, true),
             storage_entry(1, false),
-            uniform_entry(2),
+            wgpu::BindGroupLayoutEntry {
+                binding: 2,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            },
             storage_entry(3, true),
         ],
     });
@@ -573,46 +565,6 @@ fn fragment_attention_pipeline(device: &wgpu::Device) -> wgpu::ComputePipeline {
         ATTENTION_FRAGMENTS_SPV,
         128,
     )
-}
-
-/// The GLSL tensor-core GEMM (`gemm_coop.comp`) built for `tile`'s blocking, if it was: the
-/// module and its invocations per workgroup. (Its k step and loads are its own; `prefetch` and
-/// `paired_loads` are the WGSL kernel's.)
-fn glsl_gemm_spirv(tile: CoopTile) -> Option<(&'static [u8], u32)> {
-    let same = |built: CoopTile| {
-        (tile.rows, tile.cols, tile.tiles_m, tile.tiles_n)
-            == (built.rows, built.cols, built.tiles_m, built.tiles_n)
-    };
-    if same(CoopTile::SMALL) {
-        Some((GEMM_COOP_SMALL_SPV, CoopTile::SMALL.threads()))
-    } else if same(CoopTile::WIDE) {
-        Some((GEMM_COOP_WIDE_SPV, CoopTile::WIDE.threads()))
-    } else {
-        None
-    }
-}
-
-/// `gemm_coop.comp` for `tile` with gemm_coop's bindings for f16 weights: x at 0, w at 1, the
-/// bias at 2, y at 3 (read-write), the parameters at 4.
-fn glsl_gemm_pipeline(device: &wgpu::Device, tile: CoopTile) -> Option<wgpu::ComputePipeline> {
-    let (spirv, threads) = glsl_gemm_spirv(tile)?;
-    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-        label: Some("gemm_coop (GLSL)"),
-        entries: &[
-            storage_entry(0, true),
-            storage_entry(1, true),
-            storage_entry(2, true),
-            storage_entry(3, false),
-            uniform_entry(4),
-        ],
-    });
-    Some(passthrough_pipeline(
-        device,
-        &layout,
-        "gemm_coop (GLSL)",
-        spirv,
-        threads,
-    ))
 }
 
 /// What [`coop_features`] asks for.
@@ -1211,26 +1163,6 @@ pub struct GpuVisionOptions {
     /// `None` or `Some(1)`: not split. Without tensor cores it is ignored, and
     /// [`GpuVisionEncoder::options`] says `None`.
     pub coop_split_k: Option<u32>,
-    /// What the tensor-core GEMMs are built from. `Glsl` is taken only where the device has
-    /// SPIR-V passthrough, the weights are f16 (no `mx_weights`), every GEMM's inner size is a
-    /// multiple of 8 and the blockings are ones the GLSL was built for ([`CoopTile::SMALL`]'s
-    /// and [`CoopTile::WIDE`]'s); elsewhere `Wgsl` runs, and [`GpuVisionEncoder::options`]
-    /// says which was built.
-    pub coop_gemm_source: CoopGemmSource,
-}
-
-/// Where the tensor-core GEMM's code comes from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum CoopGemmSource {
-    /// `gemm_coop` (vit_coop.wgsl), written out per blocking: its epilogue goes through
-    /// workgroup memory, two workgroup barriers per 16x16 tile.
-    #[default]
-    Wgsl,
-    /// `gemm_coop.comp` (GLSL through SPIR-V passthrough), one module per blocking: the
-    /// epilogue stays in the accumulators' registers (bias as their starting value, GELU per
-    /// element, residual loaded as an accumulator) and stores them straight to y; 16-byte
-    /// loads.
-    Glsl,
 }
 
 /// The device descriptor for the vision encoder on `adapter`: the adapter's own limits, f16
@@ -1278,7 +1210,6 @@ impl GpuVisionOptions {
                 mx_weights: None,
                 coop_attention: CoopAttention::Wgsl,
                 coop_split_k: None,
-                coop_gemm_source: CoopGemmSource::Wgsl,
             }
         } else {
             GpuVisionOptions::default()
@@ -1515,36 +1446,16 @@ impl GpuVisionEncoder {
         // bank-conflict fix).
         let query_subgroups = 4;
         let mx = options.mx_weights;
-        // Every tensor-core GEMM's inner size: the patch embedding's, the attention output's
-        // and fc1's, fc2's, the connector projection's.
-        let inner = [pp, h, c.intermediate, h * c.scale_factor * c.scale_factor];
         if let Some(format) = mx
             && coop
         {
+            let inner = [pp, h, c.intermediate, h * c.scale_factor * c.scale_factor];
             if let Some(k) = inner.iter().find(|k| !k.is_multiple_of(32)) {
                 return Err(GpuVisionError::Invalid(format!(
                     "{format:?} weights on the tensor-core path need every GEMM's inner size \
                      to be a multiple of 32 (whole MX blocks); this tower has {k}"
                 )));
             }
-        }
-        // The GLSL GEMM's contract (gemm_coop.comp): f16 weights, every GEMM's n (coop_fits,
-        // projection_fits) and k a multiple of 8, a device with passthrough, and blockings it
-        // was built for. It then takes gemm_coop's dispatches (`gemm`, `gemm_split`, the
-        // projection), whose sizes are checked against their buffers as for gemm_coop.
-        let glsl_gemms = coop
-            && options.coop_gemm_source == CoopGemmSource::Glsl
-            && mx.is_none()
-            && device
-                .features()
-                .contains(wgpu::Features::PASSTHROUGH_SHADERS)
-            && inner.iter().all(|k| k.is_multiple_of(8))
-            && glsl_gemm_spirv(coop_gemms.base).is_some()
-            && coop_gemms
-                .wide
-                .is_none_or(|wide| glsl_gemm_spirv(wide).is_some());
-        if !glsl_gemms {
-            options.coop_gemm_source = CoopGemmSource::Wgsl;
         }
         // Pipeline index = position in KERNEL_NAMES: the f32 module's entry points, the
         // register GEMM's modules (one per weight format in use), the tensor-core module's
@@ -1642,12 +1553,6 @@ impl GpuVisionEncoder {
         }
         if fragments {
             pipelines[ATTENTION_FRAGMENTS] = Some(fragment_attention_pipeline(device));
-        }
-        if glsl_gemms {
-            pipelines[GEMM_COOP] = glsl_gemm_pipeline(device, coop_gemms.base);
-            if let Some(wide) = coop_gemms.wide {
-                pipelines[GEMM_COOP_WIDE] = glsl_gemm_pipeline(device, wide);
-            }
         }
         let pipelines = pipelines;
         let upload = |label: &str, data: &[f32]| {
@@ -2338,13 +2243,9 @@ mod tests {
                 "fragment_probe.comp",
                 include_str!("shaders/glsl/fragment_probe.comp"),
             ),
-            (
-                "gemm_coop.comp",
-                include_str!("shaders/glsl/gemm_coop.comp"),
-            ),
         ];
         let record = include_str!("shaders/glsl/SOURCES.sha256");
-        let mut checked = Vec::new();
+        let mut checked = 0;
         for line in record.lines() {
             let mut parts = line.split_whitespace();
             let (Some(hash), Some(name), Some(source)) = (parts.next(), parts.next(), parts.next())
@@ -2364,23 +2265,10 @@ mod tests {
                 got, hash,
                 "{source} changed since {name}.spv was built: run build.sh"
             );
-            checked.push(name);
+            checked += 1;
         }
-        assert_eq!(
-            checked,
-            [
-                "attention_fragments",
-                "fragment_probe",
-                "gemm_coop_small",
-                "gemm_coop_wide"
-            ]
-        );
-        for spirv in [
-            super::ATTENTION_FRAGMENTS_SPV,
-            super::FRAGMENT_PROBE_SPV,
-            super::GEMM_COOP_SMALL_SPV,
-            super::GEMM_COOP_WIDE_SPV,
-        ] {
+        assert_eq!(checked, sources.len());
+        for spirv in [super::ATTENTION_FRAGMENTS_SPV, super::FRAGMENT_PROBE_SPV] {
             assert_eq!(spirv[..4], 0x0723_0203u32.to_le_bytes());
         }
     }

@@ -350,7 +350,7 @@ fn an_image_spliced_in_runs_matches_its_pieces_spliced_one_by_one() {
 #[test]
 #[ignore = "hardware: needs a Vulkan adapter with cooperative matrices (VK_KHR_cooperative_matrix, 16x16x16 f16), f16 shaders and 32-wide subgroups"]
 fn the_coop_matrix_encoder_matches_the_cpu_reference() {
-    use pipeline::vision_gpu::{CoopAttention, CoopGemmSource, GemmKernel, GpuVisionEncoder};
+    use pipeline::vision_gpu::{CoopAttention, GemmKernel, GpuVisionEncoder};
     let adapter = vulkan_adapter().expect("a Vulkan adapter");
     assert!(
         pipeline::vision_gpu::coop_features(&adapter).is_some(),
@@ -415,41 +415,6 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
                  CPU reference by {rel}"
             );
         }
-        // The GLSL GEMM (SPIR-V passthrough, its epilogue in registers): the default blockings
-        // (the connector's 16 rows take the per-element path for tiles past m), the wide one
-        // forced, and with split k. Devices with passthrough (NVIDIA's) must run it.
-        let passthrough = gpu_device
-            .0
-            .features()
-            .contains(wgpu::Features::PASSTHROUGH_SHADERS);
-        for (split, tile) in [
-            (None, None),
-            (None, Some("128x128/4x2/p4")),
-            (Some(2), None),
-        ] {
-            let options = pipeline::vision_gpu::GpuVisionOptions {
-                coop_tile: tile.map(|t| pipeline::vision_gpu::CoopTile::parse(t).unwrap()),
-                coop_split_k: split,
-                coop_gemm_source: CoopGemmSource::Glsl,
-                ..options
-            };
-            let gpu = GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
-            let built = gpu.options().coop_gemm_source;
-            if !passthrough {
-                assert_eq!(built, CoopGemmSource::Wgsl);
-                eprintln!("GLSL GEMM not run: the device has no SPIR-V passthrough");
-                break;
-            }
-            assert_eq!(built, CoopGemmSource::Glsl);
-            let rel = rel_diff(&encode_on_gpu(&gpu_device, &gpu, &pixels), &want);
-            eprintln!(
-                "coop encoder ({image_size}px, GLSL GEMM, split {split:?}, {tile:?}) vs CPU: {rel}"
-            );
-            assert!(
-                rel < 2e-2,
-                "GLSL GEMM ({image_size}px, split {split:?}, {tile:?}) differs by {rel}"
-            );
-        }
         let too_many = pipeline::vision_gpu::MAX_SPLIT_K as u32 + 1;
         let err = GpuVisionEncoder::with_options(
             &gpu_device.0,
@@ -472,11 +437,6 @@ fn the_coop_matrix_encoder_matches_the_cpu_reference() {
             ..options
         };
         encode_batch_as_each_alone(&gpu_device, &cpu, split, &images);
-        let glsl = pipeline::vision_gpu::GpuVisionOptions {
-            coop_gemm_source: CoopGemmSource::Glsl,
-            ..options
-        };
-        encode_batch_as_each_alone(&gpu_device, &cpu, glsl, &images);
         // The fragment attention (heads of 64 here), where the device's accumulators are laid
         // out for it; NVIDIA's are, so there it must run.
         match pipeline::vision_gpu::fragment_attention_support(&gpu_device.0, &gpu_device.1) {
@@ -812,7 +772,6 @@ fn gpu_encoder_decodes_mx_weights_inside_its_gemm() {
             mx_weights: Some(format),
             coop_attention: Default::default(),
             coop_split_k: None,
-            coop_gemm_source: Default::default(),
         };
         let gpu =
             pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options)
@@ -854,7 +813,6 @@ fn gpu_encoder_with_f16_weights_matches_the_cpu_with_f16_weights() {
         mx_weights: None,
         coop_attention: Default::default(),
         coop_split_k: None,
-        coop_gemm_source: Default::default(),
     };
     let gpu =
         pipeline::vision_gpu::GpuVisionEncoder::with_options(&gpu_device.0, &cpu, options).unwrap();
@@ -887,7 +845,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             mx_weights: None,
             coop_attention: Default::default(),
             coop_split_k: None,
-            coop_gemm_source: Default::default(),
         },
         GpuVisionOptions {
             gemm: GemmKernel::Blocked,
@@ -896,7 +853,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             mx_weights: None,
             coop_attention: Default::default(),
             coop_split_k: None,
-            coop_gemm_source: Default::default(),
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -905,7 +861,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             mx_weights: None,
             coop_attention: Default::default(),
             coop_split_k: None,
-            coop_gemm_source: Default::default(),
         },
         GpuVisionOptions {
             gemm: GemmKernel::Register,
@@ -914,7 +869,6 @@ fn gpu_encoder_matches_the_cpu_reference_on_a_wider_tower() {
             mx_weights: None,
             coop_attention: Default::default(),
             coop_split_k: None,
-            coop_gemm_source: Default::default(),
         },
     ] {
         let gpu =
@@ -986,7 +940,6 @@ fn a_batch_of_images_encodes_as_each_image_alone() {
             mx_weights: None,
             coop_attention: Default::default(),
             coop_split_k: None,
-            coop_gemm_source: Default::default(),
         };
         let outputs = encode_batch_as_each_alone(&gpu_device, &cpu, options, &images);
         for (k, (share, image)) in outputs.iter().zip(&images).enumerate() {

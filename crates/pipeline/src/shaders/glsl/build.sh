@@ -17,8 +17,6 @@ spirv_val=${SPIRV_VAL:-spirv-val}
 modules=(
   "attention_fragments attention_fragments.comp -DQSUB=4"
   "fragment_probe fragment_probe.comp"
-  "gemm_coop_small gemm_coop.comp -DBM=64 -DBN=64 -DWM=2 -DWN=2"
-  "gemm_coop_wide gemm_coop.comp -DBM=128 -DBN=128 -DWM=2 -DWN=4"
 )
 : > SOURCES.sha256
 for m in "${modules[@]}"; do
