@@ -40,7 +40,8 @@ case "$mode" in
           for (i = 1; i <= NF; i++) if ($(i + 1) == "TFlops") t = $i
           if (t + 0 > best) { best = t + 0; line = $0 }
         }
-        END { printf "%s: %s TFLOP/s (%s)\n", shape, best ? best : "none", line }'
+        END { printf "%s: %s TFLOP/s (%s)\n", shape, best ? best : "none", line }' ||
+        echo "$shape: vk_cooperative_matrix_perf failed or timed out"
     done
     ;;
   *) echo "usage: coopmat_ceiling.sh build SRC INCLUDE | run SRC" >&2; exit 2 ;;
