@@ -20,6 +20,7 @@ use std::path::Path;
 use npu_hal::DenseMatrix;
 
 use crate::model::LoadError;
+use crate::npy::{NPY_HEADER_MAX, parse_pixels_npy};
 
 /// Why the vision encoder could not be loaded or run.
 #[derive(Debug, thiserror::Error)]
@@ -37,9 +38,6 @@ pub enum VisionError {
     #[error("{0}")]
     Input(String),
 }
-
-use crate::npy::NPY_HEADER_MAX;
-pub use crate::npy::parse_pixels_npy;
 
 fn file_error(path: &Path, what: impl std::fmt::Display) -> VisionError {
     VisionError::File {

@@ -348,14 +348,14 @@ fn fuzz_found_npy_headers_are_named_errors() {
     ] {
         let bytes = std::fs::read(seeds.join(file)).unwrap();
         let start = Instant::now();
-        let err = pipeline::vision::parse_pixels_npy(&bytes, 16).unwrap_err();
+        let err = pipeline::npy::parse_pixels_npy(&bytes, 16).unwrap_err();
         assert!(err.contains(expect), "{file}: {err}");
         assert!(start.elapsed() < Duration::from_secs(1), "{file}");
     }
     // The layout numpy writes still reads.
     let good = std::fs::read(seeds.join("pixels.npy")).unwrap();
     assert_eq!(
-        pipeline::vision::parse_pixels_npy(&good, 16).unwrap().len(),
+        pipeline::npy::parse_pixels_npy(&good, 16).unwrap().len(),
         768
     );
 }
